@@ -1,0 +1,68 @@
+"""Worker classes and functions the tests call by import path."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import zbus
+
+
+class EchoWorker(zbus.Worker):
+    def __init__(self, tag: str = "w", fail_rank: int | None = None):
+        if fail_rank == self.rank:
+            raise RuntimeError(f"start-up failure on rank {self.rank}")
+        self.tag = tag
+        self.calls = 0
+
+    def echo(self, *args, **kwargs):
+        self.calls += 1
+        return args, kwargs
+
+    def whoami(self):
+        return {"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size,
+                "env": {k: os.environ.get(k) for k in (
+                    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                    "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")},
+                "pid": os.getpid(), "tag": self.tag}
+
+    def noop(self):
+        return None
+
+    def rank_value(self, x):
+        return x * 10 + self.rank
+
+    def boom(self, msg="boom"):
+        raise ValueError(msg)
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return self.rank
+
+    def die(self, rank=None, how="kill"):
+        if rank is None or rank == self.rank:
+            if how == "abort":
+                os.abort()
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    def later(self, value, delay):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        threading.Timer(delay, fut.set_result, args=(value,)).start()
+        return fut
+
+    def tensor_sum(self, t):
+        return t.sum().item()
+
+    def tensor_back(self, t):
+        return t * 2 if self.rank == 0 else t
+
+    def _private(self):
+        return "secret"
+
+
+def add_rank(worker, x, y=0):
+    return x + y + worker.rank

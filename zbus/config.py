@@ -1,0 +1,67 @@
+"""Settings read from the environment, in one place.
+
+``ZBUS_RING``  ring geometry of every shared-memory queue, ``"<chunk>x<count>"``
+               with an optional K/M suffix on the chunk size; default ``1Mx8``
+               (1 MiB chunks, 8 of them: 8 MiB of /dev/shm per queue).
+``ZBUS_SPIN_US``  how long a waiter spins before it yields; default: 50 us with
+               more than 2 usable cores, else 0 (spinning steals the core the
+               other side needs).
+``ZBUS_YIELD_US`` how long a waiter calls sched_yield before it sleeps on a
+               futex; default 0 with 2 usable cores or fewer, else 200.
+``ZBUS_WAIT_SLICE`` longest single futex sleep in seconds (default 0.5). Wake-ups
+               do not depend on it; it bounds how late a cancel event or a third
+               party's abort is seen.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1] if text and text[-1] in "KMG" else ""
+    return int(text[: len(text) - len(unit)]) * _SUFFIX[unit]
+
+
+@dataclass(frozen=True)
+class RingGeometry:
+    chunk_bytes: int
+    n_chunks: int
+
+    @classmethod
+    def from_env(cls) -> RingGeometry:
+        text = os.environ.get("ZBUS_RING", "1Mx8")
+        try:
+            chunk, count = text.lower().split("x")
+            geo = cls(parse_size(chunk), int(count))
+        except (ValueError, KeyError):
+            raise ValueError(f"ZBUS_RING={text!r}: expected '<chunk>x<count>', e.g. '1Mx8'") from None
+        if geo.chunk_bytes < 256 or geo.chunk_bytes % 64 or geo.n_chunks < 2:
+            raise ValueError(f"ZBUS_RING={text!r}: chunk must be a multiple of 64 bytes >= 256 "
+                             "and count >= 2")
+        return geo
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    spin_s: float
+    yield_s: float
+    slice_s: float
+
+    @classmethod
+    def from_env(cls) -> WaitPolicy:
+        many = usable_cores() > 2
+        spin = float(os.environ.get("ZBUS_SPIN_US", 50 if many else 0)) / 1e6
+        yld = float(os.environ.get("ZBUS_YIELD_US", 200 if many else 0)) / 1e6
+        return cls(spin, yld, float(os.environ.get("ZBUS_WAIT_SLICE", 0.5)))

@@ -1,0 +1,69 @@
+"""The exceptions zbus raises. Every one is a :class:`ZbusError`, except timeouts,
+which raise the built-in :class:`TimeoutError`."""
+
+from __future__ import annotations
+
+
+class ZbusError(Exception):
+    """Base class of every zbus error."""
+
+
+class CodecError(ZbusError):
+    """Bytes that cannot be decoded (malformed, truncated, oversize, unknown type),
+    or an object that cannot be encoded."""
+
+
+class RingClosed(ZbusError):
+    """The ring was closed by its writer (after the last message) or aborted."""
+
+
+class Cancelled(ZbusError):
+    """A blocking call was cancelled through its cancel event."""
+
+
+class ShmSpaceError(ZbusError):
+    """Not enough free space in /dev/shm for a new segment."""
+
+
+class RemoteError(ZbusError):
+    """The called method raised on a worker.
+
+    ``rank``, ``type_name``, ``message`` and ``remote_traceback`` describe the
+    remote exception; ``str()`` shows ``"TypeName: message"`` and the rank.
+    """
+
+    def __init__(self, rank: int, type_name: str, message: str, remote_traceback: str = ""):
+        super().__init__(rank, type_name, message, remote_traceback)
+        self.rank = rank
+        self.type_name = type_name
+        self.message = message
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message} (on rank {self.rank})"
+
+
+class ExecutorFailedError(ZbusError):
+    """The executor can no longer serve calls: a worker or a node is gone."""
+
+
+class WorkerDiedError(ExecutorFailedError):
+    """A worker process exited. ``rank`` and ``exitcode`` (negative: the signal)."""
+
+    def __init__(self, rank: int, exitcode: int | None, detail: str = ""):
+        self.rank = rank
+        self.exitcode = exitcode
+        how = "unknown status" if exitcode is None else (
+            f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}")
+        msg = f"worker rank {rank} died ({how})"
+        super().__init__(msg + (f": {detail}" if detail else ""))
+
+
+class NodeLostError(ExecutorFailedError):
+    """A follower node stopped answering (agent died or link cut)."""
+
+    def __init__(self, node_rank: int, host: str, detail: str = ""):
+        self.node_rank = node_rank
+        self.host = host
+        msg = f"node {node_rank} ({host}) lost"
+        super().__init__(msg + (f": {detail}" if detail else ""))

@@ -1,0 +1,589 @@
+"""The driver API: :class:`Executor` runs a method on every worker and returns the
+answers in rank order.
+
+Backends (``backend=``): ``"mp"`` (default) starts worker processes that read the
+shared-memory broadcast ring; ``"inproc"`` runs one worker inside the driver
+process, for debugging and unit tests; ``"pkg.mod:Cls"`` names a user subclass.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from . import codec, protocol, ring, shm
+from .errors import ExecutorFailedError, RemoteError, RingClosed, WorkerDiedError, ZbusError
+from .queues import Broadcaster, ShmReceiver, deadline_of, remaining
+from .worker import Worker, import_object
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("mp", "inproc")
+WorkerSpec = "type[Worker] | str"
+
+
+class StartupError(ExecutorFailedError):
+    """A worker failed while starting; the message holds its traceback."""
+
+
+class RpcFuture(concurrent.futures.Future):
+    """The result of a non-blocking ``collective_rpc``. Calls complete in issue
+    order: ``result()`` on a later future first completes the earlier ones.
+    ``result(timeout)`` raises :class:`TimeoutError` and leaves the call pending."""
+
+    def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool):
+        super().__init__()
+        self._executor = executor
+        self.seq = seq
+        self.reply_ranks = list(reply_ranks)
+        self.unique = unique
+        self.replies: dict[int, tuple[int, Any]] = {}
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._executor._complete_until(self, deadline_of(timeout))
+        return super().result(0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self._executor._complete_until(self, deadline_of(timeout))
+        return super().exception(0)
+
+    def _finish(self) -> None:
+        """All replies are in: set the result (rank order) or the first error."""
+        values = []
+        for rank in self.reply_ranks:
+            status, value = self.replies[rank]
+            if status == protocol.OK:
+                values.append(value)
+            elif status == protocol.REFUSED:
+                self.set_exception(ZbusError(getattr(value, "message", str(value))))
+                return
+            else:
+                self.set_exception(RemoteError(rank, value.type_name, value.message, value.traceback))
+                return
+        self.set_result(values[0] if self.unique else values)
+
+
+def _resolve_backend(backend: str) -> type[Executor]:
+    if backend == "mp":
+        return MultiprocExecutor
+    if backend == "inproc":
+        return InprocExecutor
+    if ":" not in backend:
+        raise ValueError(f"unknown executor backend {backend!r}; valid: {', '.join(BACKENDS)}, "
+                         "or 'pkg.mod:ExecutorSubclass'")
+    cls = import_object(backend)
+    if not (isinstance(cls, type) and issubclass(cls, Executor)):
+        raise TypeError(f"backend {backend!r} is not a subclass of zbus.Executor")
+    return cls
+
+
+def _worker_path(worker: WorkerSpec) -> str:
+    if isinstance(worker, str):
+        if ":" not in worker:
+            raise ValueError(f"worker {worker!r}: give a class or an import path 'pkg.mod:Cls'")
+        return worker
+    if not (isinstance(worker, type) and issubclass(worker, Worker)):
+        raise TypeError(f"worker must be a zbus.Worker subclass or 'pkg.mod:Cls', got {worker!r}")
+    if worker.__module__ == "__main__":
+        raise TypeError(
+            f"worker class {worker.__qualname__} is defined in the driver script (__main__); "
+            "worker processes import it by name and never run the driver script: move it "
+            "into an importable module, or use backend='inproc'")
+    if "<locals>" in worker.__qualname__:
+        raise TypeError(f"worker class {worker.__qualname__} is local to a function: "
+                        "define it at module level")
+    return f"{worker.__module__}:{worker.__qualname__}"
+
+
+class Executor:
+    """Runs a :class:`zbus.Worker` on ``nproc_per_node`` processes and calls its
+    methods on all of them. Use as a context manager, or call :meth:`shutdown`.
+
+    ``Executor(...)`` returns the backend's class (see ``backend``).
+    """
+
+    world_size: int
+    output_rank: int
+
+    def __new__(cls, *args: Any, backend: str = "mp", **kwargs: Any) -> Executor:
+        if cls is Executor:
+            cls = _resolve_backend(backend)
+        return super().__new__(cls)
+
+    def __init__(self, worker: WorkerSpec, *, nproc_per_node: int = 1,
+                 worker_kwargs: dict | None = None, backend: str = "mp", output_rank: int = 0,
+                 startup_timeout: float = 120.0, allow_import_calls: bool = True,
+                 env: dict[str, str] | None = None):
+        if nproc_per_node < 1:
+            raise ValueError("nproc_per_node must be at least 1")
+        self.worker = worker
+        self.worker_kwargs = dict(worker_kwargs or {})
+        self.nproc_per_node = nproc_per_node
+        self.world_size = nproc_per_node
+        if not 0 <= output_rank < self.world_size:
+            raise ValueError(f"output_rank {output_rank} outside 0..{self.world_size - 1}")
+        self.output_rank = output_rank
+        self.startup_timeout = startup_timeout
+        self.allow_import_calls = allow_import_calls
+        self.extra_env = dict(env or {})
+        self._failure: ExecutorFailedError | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._state_lock = threading.Lock()
+        self._closed = False
+
+    # --- public API ----------------------------------------------------------------
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None, non_block: bool = False,
+                       unique_reply_rank: int | None = None) -> Any:
+        """Run ``method`` on every rank. Returns the replies in rank order, or the
+        reply of ``unique_reply_rank`` alone; with ``non_block`` a Future of that."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise the executor's failure if it failed; else return None."""
+        if self._failure is not None:
+            raise self._failure
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once when the executor fails (at once if it has)."""
+        with self._state_lock:
+            if self._failure is None:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.shutdown()
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass
+
+    # --- shared machinery ---------------------------------------------------------
+
+    def _fail(self, error: ExecutorFailedError) -> None:
+        """Mark the executor failed (first error wins) and run the callbacks."""
+        with self._state_lock:
+            if self._failure is not None:
+                return
+            self._failure = error
+            callbacks, self._callbacks = self._callbacks, []
+        log.error("executor failed: %s", error)
+        self._on_failure(error)
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001
+                log.exception("failure callback raised")
+
+    def _on_failure(self, error: ExecutorFailedError) -> None:
+        pass
+
+    def _check_call(self, method: str, unique_reply_rank: int | None) -> None:
+        if self._closed:
+            raise ZbusError("executor is shut down")
+        if self._failure is not None:
+            raise self._failure
+        if not isinstance(method, str) or not method:
+            raise TypeError("method must be a non-empty string")
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
+            raise ValueError(f"unique_reply_rank {unique_reply_rank} outside 0..{self.world_size - 1}")
+
+    def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
+        raise NotImplementedError
+
+
+class InprocExecutor(Executor):
+    """One worker in the driver process: same API and futures, no processes and no
+    shared memory. For pdb and unit tests of worker code. ``timeout`` cannot
+    interrupt a running method here."""
+
+    def __init__(self, worker: WorkerSpec, **kwargs: Any):
+        from .worker import ReplyPipe, build_worker
+
+        kwargs.pop("backend", None)
+        if kwargs.get("nproc_per_node", 1) != 1:
+            raise ValueError("backend='inproc' runs exactly one worker (nproc_per_node=1)")
+        super().__init__(worker, **kwargs)
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                           ("LOCAL_WORLD_SIZE", "1"), ("NODE_RANK", "0")):
+            os.environ.setdefault(key, value)
+        self._seq = 0
+        self._worker = build_worker({"worker": worker, "kwargs": self.worker_kwargs}, {
+            "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0})
+        self._futures: dict[int, RpcFuture] = {}
+        self._replies = ReplyPipe(self._deliver)
+
+    def _deliver(self, reply: list) -> None:
+        seq, status, value = reply
+        fut = self._futures.pop(seq)
+        if status != protocol.OK and isinstance(value, BaseException):
+            value = codec.ExceptionInfo.from_exception(value)
+        fut.replies[0] = (status, value)
+        fut._finish()
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None, non_block: bool = False,
+                       unique_reply_rank: int | None = None) -> Any:
+        from .worker import resolve_method
+        self._check_call(method, unique_reply_rank)
+        self._seq += 1
+        fut = RpcFuture(self, self._seq, [0], unique_reply_rank is not None)
+        self._futures[self._seq] = fut
+        try:
+            result, status = resolve_method(self._worker, method, self.allow_import_calls)(
+                *args, **(kwargs or {})), protocol.OK
+        except ZbusError as e:
+            result, status = e, protocol.REFUSED
+        except Exception as e:  # noqa: BLE001
+            result, status = e, protocol.RAISED
+        self._replies.send(self._seq, result, status)
+        return fut if non_block else fut.result(timeout)
+
+    def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
+        while not future.done():
+            left = remaining(deadline, "collective_rpc")
+            concurrent.futures.wait([future], timeout=left)
+
+    def shutdown(self) -> None:
+        self._closed = True
+
+
+def reserve_port(host: str) -> int:
+    """A free TCP port on ``host`` for torch.distributed's rendezvous (which binds
+    it itself in rank 0); zbus's own sockets bind port 0 directly instead."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _visible_gpus() -> list[str]:
+    """GPU ids this process may use, found without importing torch."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d for d in env.split(",") if d.strip()]
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return []
+    return sorted((n[6:] for n in names if n.startswith("nvidia") and n[6:].isdigit()), key=int)
+
+
+def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str, str]) -> dict:
+    """The environment of a worker process: torchrun's variables, one GPU each."""
+    env = dict(os.environ)
+    env.update(extra)
+    env.update({
+        "RANK": str(place["rank"]), "LOCAL_RANK": str(place["local_rank"]),
+        "WORLD_SIZE": str(place["world_size"]), "LOCAL_WORLD_SIZE": str(place["local_world_size"]),
+        "NODE_RANK": str(place["node_rank"]), "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    })
+    env.setdefault("OMP_NUM_THREADS", "1")
+    gpus = _visible_gpus()
+    if len(gpus) >= place["local_world_size"]:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[place["local_rank"]]
+    # The worker imports the user's modules the way the driver does.
+    paths = [p for p in (sys.path[0], env.get("PYTHONPATH", "")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+class LocalWorkers:
+    """Worker processes of one node: started as fresh interpreters (no fork),
+    watched through pidfds, ended by pid. ``on_death(local_rank, exitcode)`` runs
+    in the watcher thread when one exits unexpectedly."""
+
+    def __init__(self, places: list[dict], bcast: dict, responses: list[dict], segments: list[str],
+                 master_addr: str, master_port: int, extra_env: dict[str, str],
+                 on_death: Callable[[int, int | None], None]):
+        death_r, self._death_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe()
+        self.procs: list[subprocess.Popen] = []
+        self._on_death = on_death
+        self.stopping = False
+        try:
+            for place, resp in zip(places, responses):
+                info = dict(place, bcast=bcast, resp=resp, death_fd=death_r, segments=segments)
+                env = worker_env(place, master_addr, master_port, extra_env)
+                env["ZBUS_WORKER"] = json.dumps(info)
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", "from zbus.worker import main; main()"], env=env,
+                    pass_fds=(death_r,), stdin=subprocess.DEVNULL))
+        except BaseException:
+            os.close(death_r)
+            self.kill()
+            raise
+        os.close(death_r)
+        self._thread = threading.Thread(target=self._watch, name="zbus-worker-monitor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        fds = {}
+        for i, p in enumerate(self.procs):
+            fd = os.pidfd_open(p.pid)
+            fds[fd] = i
+            poller.register(fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        try:
+            while fds:
+                for fd, _ in poller.poll():
+                    if fd == self._stop_r:
+                        return
+                    i = fds.pop(fd)
+                    poller.unregister(fd)
+                    os.close(fd)
+                    code = self.procs[i].wait()
+                    if not self.stopping:
+                        self._on_death(i, code)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def alive(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p.poll() is None]
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for every worker to exit; whether they all did."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Workers were asked to stop: wait ``grace``, then SIGTERM, then SIGKILL."""
+        self.stopping = True
+        if not self.wait(grace):
+            for p in self.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            if not self.wait(2.0):
+                self.kill()
+        self.close()
+
+    def kill(self) -> None:
+        self.stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+    def close(self) -> None:
+        if self._death_w >= 0:
+            os.write(self._stop_w, b"x")
+            if hasattr(self, "_thread"):
+                self._thread.join(5)
+            for fd in (self._death_w, self._stop_r, self._stop_w):
+                os.close(fd)
+            self._death_w = -1
+
+
+class MultiprocExecutor(Executor):
+    """Worker processes on this machine, fed by a shared-memory broadcast ring,
+    answering on one shared-memory response queue each."""
+
+    def __init__(self, worker: WorkerSpec, *, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, **kwargs: Any):
+        kwargs.pop("backend", None)
+        super().__init__(worker, **kwargs)
+        self.worker_path = _worker_path(worker)
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self._seq = 0
+        self._pending: collections.deque[RpcFuture] = collections.deque()
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._bcast: Broadcaster | None = None
+        self._resp_handles: list[ring.RingHandle] = []
+        self._receivers: list[ShmReceiver] = []
+        self._workers: LocalWorkers | None = None
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self) -> None:
+        shm.sweep_stale()
+        n = self.nproc_per_node
+        self._bcast = Broadcaster(n)
+        self._resp_handles = [ring.create(1) for _ in range(n)]
+        self._receivers = [ShmReceiver(ring.RingReader.attach(h, 0)) for h in self._resp_handles]
+        segments = [self._bcast.handle.name, *(h.name for h in self._resp_handles)]
+        places = [{"rank": r, "local_rank": r, "world_size": n, "local_world_size": n,
+                   "node_rank": 0} for r in range(n)]
+        self._workers = LocalWorkers(
+            places, self._bcast.handle.to_dict(), [h.to_dict() for h in self._resp_handles],
+            segments, self.master_addr, self.master_port or reserve_port(self.master_addr),
+            self.extra_env, self._worker_died)
+        deadline = deadline_of(self.startup_timeout)
+        spec = {"worker": self.worker_path, "kwargs": self.worker_kwargs,
+                "allow_import": self.allow_import_calls}
+        try:
+            self._bcast.publish(spec, remaining(deadline, "worker start-up"))
+            for rank in range(n):
+                self._await_ready(rank, deadline)
+        except TimeoutError:
+            raise StartupError(f"workers not ready within {self.startup_timeout} s "
+                               f"(alive: {self._workers.alive()})") from None
+        except RingClosed:
+            raise StartupError(f"a worker died during start-up: {self._failure}") from None
+
+    def _await_ready(self, rank: int, deadline: float | None) -> None:
+        reply = self._receivers[rank].get(remaining(deadline, "worker start-up"))
+        _, seq, status, value = reply
+        if seq != protocol.READY or status != protocol.OK:
+            detail = getattr(value, "traceback", "") or repr(value)
+            raise StartupError(f"worker rank {rank} failed to start:\n{detail}")
+
+    def _worker_died(self, local_rank: int, exitcode: int | None) -> None:
+        self._fail(WorkerDiedError(local_rank, exitcode))
+
+    def _on_failure(self, error: ExecutorFailedError) -> None:
+        # Wake every blocked wait on our rings; they raise RingClosed -> the error.
+        if self._bcast is not None and self._bcast.ring is not None:
+            self._bcast.ring.abort()
+        for rx in self._receivers:
+            rx.ring.abort()
+        for fut in list(self._pending):
+            try:
+                fut.set_exception(error)
+            except concurrent.futures.InvalidStateError:
+                pass
+
+    # --- calls ---------------------------------------------------------------------
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None, non_block: bool = False,
+                       unique_reply_rank: int | None = None) -> Any:
+        self._check_call(method, unique_reply_rank)
+        deadline = deadline_of(timeout)
+        unique = unique_reply_rank is not None
+        ranks = [unique_reply_rank] if unique else range(self.world_size)
+        if not self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline, method)):
+            raise TimeoutError(f"collective_rpc({method!r}) timed out waiting to send")
+        try:
+            self._seq += 1
+            frames = codec.encode([protocol.CALL, self._seq, method, tuple(args), kwargs or {},
+                                   unique_reply_rank if unique else -1])
+            fut = RpcFuture(self, self._seq, ranks, unique)
+            self._pending.append(fut)
+            try:
+                self._bcast.publish_frames(frames, remaining(deadline, method),
+                                           on_full=self._drain_ready)
+            except RingClosed:
+                raise self._failure or ZbusError("executor is shut down") from None
+        finally:
+            self._send_lock.release()
+        return fut if non_block else fut.result(remaining(deadline, method))
+
+    def _drain_ready(self) -> None:
+        """Complete the calls whose replies are already here, without blocking: lets
+        workers blocked on a full response queue go on while we wait to send."""
+        if not self._recv_lock.acquire(blocking=False):
+            return
+        try:
+            while self._pending:
+                head = self._pending[0]
+                missing = [r for r in head.reply_ranks if r not in head.replies]
+                if missing and not self._receivers[missing[0]].ring.poll():
+                    return
+                try:  # the data is there: a short deadline only guards a torn read
+                    self._complete_head(time.monotonic() + 0.05)
+                except TimeoutError:
+                    return
+        finally:
+            self._recv_lock.release()
+
+    def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
+        left = remaining(deadline, "collective_rpc")
+        if not self._recv_lock.acquire(timeout=-1 if left is None else left):
+            raise TimeoutError("collective_rpc timed out waiting for replies")
+        try:
+            while not future.done() and self._pending:
+                self._complete_head(deadline)
+        finally:
+            self._recv_lock.release()
+
+    def _complete_head(self, deadline: float | None) -> None:
+        head = self._pending[0]
+        for rank in head.reply_ranks:
+            if rank in head.replies:
+                continue
+            try:
+                reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"))
+            except RingClosed:
+                raise self._failure or ZbusError("executor is shut down") from None
+            self._accept(head, rank, reply)
+        self._pending.popleft()
+        if not head.done():
+            head._finish()
+
+    def _accept(self, head: RpcFuture, rank: int, reply: Any) -> None:
+        if not (type(reply) is list and len(reply) == 4 and reply[0] == rank and reply[1] == head.seq):
+            error = ExecutorFailedError(f"protocol error: expected the reply to call {head.seq} from "
+                                        f"rank {rank}, got {str(reply)[:200]}")
+            self._fail(error)
+            raise error
+        head.replies[rank] = (reply[2], reply[3])
+
+    # --- teardown ------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the workers (asked, then SIGTERM, then SIGKILL) and free every
+        segment. Idempotent; pending calls fail."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+        workers = self._workers
+        if workers is not None:
+            workers.stopping = True
+            if self._failure is None and self._bcast is not None:
+                try:
+                    with self._send_lock:
+                        self._bcast.publish([protocol.STOP], timeout=1.0)
+                except (TimeoutError, RingClosed):
+                    pass
+            workers.stop(grace=5.0 if self._failure is None else 0.5)
+        error = ZbusError("executor is shut down")
+        for fut in list(self._pending):
+            try:
+                fut.set_exception(self._failure or error)
+            except concurrent.futures.InvalidStateError:
+                pass
+        self._pending.clear()
+        for rx in self._receivers:
+            rx.close()
+        for h in self._resp_handles:
+            shm.unlink(h.name)
+        if self._bcast is not None:
+            self._bcast.close()

@@ -1,0 +1,18 @@
+"""Message shapes shared by the driver, the node agents and the workers.
+
+Broadcast (driver -> every worker), encoded with :mod:`zbus.codec`:
+
+- the first message: the worker spec, ``{"worker": "pkg.mod:Cls", "kwargs": {...},
+  "allow_import": bool}``;
+- ``[CALL, seq, method, args, kwargs, reply_rank]`` (reply_rank -1: every rank);
+- ``[STOP]``.
+
+Reply (one worker -> the driver): ``[rank, seq, status, value]``; the READY reply
+has ``seq == READY``. ``status`` says what ``value`` is: the result (OK), the
+exception the method raised (RAISED, as :class:`zbus.codec.ExceptionInfo`), or why
+the call was refused before it ran (REFUSED).
+"""
+
+CALL, STOP = 1, 2
+READY = -1
+OK, RAISED, REFUSED = 0, 1, 2

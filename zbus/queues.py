@@ -1,0 +1,219 @@
+"""Message queues on top of the ring and ZeroMQ, all with one interface.
+
+- :class:`Broadcaster`: one message to every local reader (shared-memory ring) and
+  every remote subscriber (ZeroMQ XPUB), encoded once.
+- Response queues carry each worker's answer to the one reader that wants it:
+  :class:`ShmSender`/:class:`ShmReceiver` within a machine, :class:`ZmqSender`
+  (PUSH) / :class:`ZmqReceiver` (PULL) across machines. ``put(obj, timeout)`` and
+  ``get(timeout)`` behave the same on both.
+
+No send is silent about failure: nothing is dropped at a high-water mark (XPUB runs
+with ``XPUB_NODROP``), a peer that does not take a message within the timeout
+raises :class:`TimeoutError`. A send never aliases the caller's memory after it
+returns: large frames go zero-copy, and the send waits until ZeroMQ has released
+them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from . import codec
+from .errors import ZbusError
+from .ring import RingHandle, RingReader, RingWriter
+
+ZERO_COPY_MIN = 64 * 1024  # smaller frames are copied: cheaper than tracking them
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def remaining(deadline: float | None, what: str) -> float | None:
+    """Seconds left before ``deadline`` (None: no limit); TimeoutError once past."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"{what} timed out")
+    return left
+
+
+def bind(sock: zmq.Socket, host: str, port: int = 0, port_range: tuple[int, int] | None = None) -> int:
+    """Bind ``sock`` on ``host`` (never a wildcard unless asked) and return the
+    port the kernel gave: port 0 or one from ``port_range``. No probe-then-bind."""
+    if port:
+        sock.bind(f"tcp://{_bracket(host)}:{port}")
+        return port
+    if port_range:
+        return sock.bind_to_random_port(f"tcp://{_bracket(host)}", port_range[0], port_range[1] + 1,
+                                        max_tries=4 * (port_range[1] - port_range[0] + 1))
+    sock.bind(f"tcp://{_bracket(host)}:*")
+    return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str) -> None:
+    """Send a multipart message by ``deadline``; large frames without a copy, and
+    not returning while ZeroMQ still reads the caller's memory."""
+    trackers = []
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
+        big = memoryview(frame).nbytes >= ZERO_COPY_MIN
+        while True:
+            try:
+                t = sock.send(frame, flags, copy=not big, track=big)
+                break
+            except zmq.Again:
+                # Only the first part can block: ZeroMQ queues the rest atomically.
+                left = remaining(deadline, what)
+                sock.poll(100 if left is None else max(1, int(min(left, 0.1) * 1000)), zmq.POLLOUT)
+        if big:
+            trackers.append(t)
+    for t in trackers:
+        while not t.done:
+            left = remaining(deadline, what)
+            try:
+                t.wait(0.1 if left is None else min(left, 0.1))
+            except zmq.NotDone:
+                pass
+
+
+def recv_frames(sock: zmq.Socket, deadline: float | None, what: str, cancel: Any = None) -> list[memoryview]:
+    while not sock.poll(_poll_ms(deadline, what), zmq.POLLIN):
+        if cancel is not None and cancel.is_set():
+            raise ZbusError(f"{what} cancelled")
+    return [f.buffer for f in sock.recv_multipart(copy=False)]
+
+
+def _poll_ms(deadline: float | None, what: str) -> int:
+    left = remaining(deadline, what)
+    return 500 if left is None else max(0, min(500, int(left * 1000) + 1))
+
+
+class Broadcaster:
+    """Publish each message once to ``n_local`` ring readers and to the remote
+    subscribers of an XPUB socket (if ``host`` is given)."""
+
+    def __init__(self, n_local: int, host: str | None = None, port: int = 0,
+                 port_range: tuple[int, int] | None = None, ctx: zmq.Context | None = None,
+                 ring: RingWriter | None = None):
+        self.ring = ring if ring is not None else (RingWriter.create(n_local) if n_local else None)
+        self.xpub: zmq.Socket | None = None
+        self.port = 0
+        self.subscribers: list[bytes] = []
+        if host is not None:
+            self.xpub = (ctx or zmq.Context.instance()).socket(zmq.XPUB)
+            self.xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self.xpub.setsockopt(zmq.XPUB_NODROP, 1)
+            self.xpub.setsockopt(zmq.SNDHWM, 64)
+            self.xpub.setsockopt(zmq.LINGER, 0)
+            self.port = bind(self.xpub, host, port, port_range)
+
+    @property
+    def handle(self) -> RingHandle | None:
+        return self.ring.handle if self.ring else None
+
+    def wait_until_ready(self, n_subscribers: int, timeout: float) -> list[bytes]:
+        """Wait until ``n_subscribers`` subscriptions arrived; return their topics."""
+        deadline = deadline_of(timeout)
+        while len(self.subscribers) < n_subscribers:
+            if self.xpub is None:
+                raise ZbusError("this broadcaster has no remote side")
+            if self.xpub.poll(_poll_ms(deadline, f"waiting for {n_subscribers} subscribers "
+                                                  f"({len(self.subscribers)} arrived)"), zmq.POLLIN):
+                msg = self.xpub.recv()
+                if msg[:1] == b"\x01":
+                    self.subscribers.append(msg[1:])
+        return self.subscribers
+
+    def publish(self, obj: Any, timeout: float | None = None, topic: bytes = b"") -> None:
+        self.publish_frames(codec.encode(obj), timeout, topic)
+
+    def publish_frames(self, frames: Sequence[Any], timeout: float | None = None, topic: bytes = b"",
+                       on_full: Callable[[], None] | None = None) -> None:
+        """Send to remote subscribers first (the network is slower), then the ring.
+        ``on_full`` runs while the ring is full (see :meth:`RingWriter.send`)."""
+        deadline = deadline_of(timeout)
+        if self.xpub is not None:
+            send_frames(self.xpub, [topic, *frames], deadline, "broadcast to remote nodes")
+        if self.ring is not None:
+            self.ring.send(frames, remaining(deadline, "broadcast"), on_full=on_full)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+        if self.xpub is not None:
+            self.xpub.close(linger=0)
+
+
+class ShmSender:
+    """Writing end of a single-reader shared-memory response queue."""
+
+    def __init__(self, handle: RingHandle | dict):
+        self.ring = RingWriter.attach(handle)
+
+    def put(self, obj: Any, timeout: float | None = None) -> None:
+        self.ring.send(codec.encode(obj), timeout)
+
+    def close(self) -> None:
+        self.ring.close(unlink=False)
+
+
+class ShmReceiver:
+    """Reading end of a single-reader shared-memory response queue."""
+
+    def __init__(self, ring: RingReader):
+        self.ring = ring
+
+    def get(self, timeout: float | None = None, cancel: Any = None) -> Any:
+        return codec.decode(self.ring.recv(timeout, cancel))
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+class ZmqSender:
+    """PUSH side of a remote response queue: connects to the reader's address."""
+
+    def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64):
+        self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def put(self, obj: Any, timeout: float | None = None) -> None:
+        self.put_frames(codec.encode(obj), timeout)
+
+    def put_frames(self, frames: Sequence[Any], timeout: float | None = None) -> None:
+        send_frames(self.sock, frames, deadline_of(timeout), "response send")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class ZmqReceiver:
+    """PULL side of a remote response queue: binds, one reader."""
+
+    def __init__(self, host: str, port: int = 0, port_range: tuple[int, int] | None = None,
+                 ctx: zmq.Context | None = None, max_bytes: int | None = None):
+        self.sock = (ctx or zmq.Context.instance()).socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if max_bytes:
+            self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        self.port = bind(self.sock, host, port, port_range)
+        self.max_bytes = max_bytes
+
+    def get(self, timeout: float | None = None, cancel: Any = None) -> Any:
+        return codec.decode(recv_frames(self.sock, deadline_of(timeout), "response receive", cancel),
+                            self.max_bytes)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

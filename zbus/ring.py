@@ -1,0 +1,428 @@
+"""A shared-memory broadcast ring: one writer, N readers in other processes.
+
+Every reader sees every message, in order. A message is a list of byte frames; it
+is streamed through fixed-size chunks, so a message may be larger than the ring
+and never leaves shared memory. The writer blocks while the slowest reader is a
+full ring behind: nothing is dropped or overwritten.
+
+Layout (little-endian; each independently written word on its own cache line)::
+
+    0              magic u64, n_readers u32, n_chunks u32, chunk_bytes u64
+    64             write_seq u64        chunks published so far (futex for readers)
+    128            writer_waiting u32, state u32
+    192 + 64*r     read_seq[r] u64      chunks reader r has released (futex for writer)
+                   reader_waiting[r] u32, detached[r] u32
+    data           n_chunks * chunk_bytes, chunk s lives at (s % n_chunks)
+
+Protocol (see docs/architecture.md for why it is safe):
+
+- Single writer per word: write_seq and writer_waiting are written only by the
+  writer; read_seq[r], reader_waiting[r], detached[r] only by reader r. No
+  read-modify-write atomics are needed, only ordered loads and stores.
+- Publish: copy data into chunk s, fence, write_seq = s + 1, fence, then wake the
+  readers if any has reader_waiting set.
+- Consume: see write_seq > s, fence, copy chunk s out, fence, read_seq[r] = s + 1,
+  fence, then wake the writer if writer_waiting is set.
+- Park (either side): set own waiting flag, fence, load the peer's counter, re-check
+  the condition, then futex-wait on that counter *with the loaded value*. The
+  fences order flag-store before counter-load on both sides (Dekker), so either
+  the waiter sees the new counter or the publisher sees the flag and wakes it;
+  and the futex compares the value atomically in the kernel, so a wake between
+  the check and the sleep is not lost either.
+
+A message's byte stream is ``total u64 | nframes u64 | len u64 * nframes | frames``,
+each frame starting 64-byte aligned.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+from . import shm
+from .config import RingGeometry, WaitPolicy
+from .errors import Cancelled, RingClosed
+
+Buffer = Any  # bytes, bytearray, memoryview, or anything with the buffer protocol
+
+_MAGIC = int.from_bytes(b"ZBUSRNG1", "little")
+_OPEN, _CLOSED, _ABORTED = 0, 1, 2
+# u64 word indices
+_W_MAGIC, _W_CHUNK, _W_WSEQ = 0, 2, 8
+# u32 word indices
+_I_NREADERS, _I_NCHUNKS, _I_WWAIT, _I_STATE = 2, 3, 32, 33
+_READER_BASE = 192
+
+
+def _reader_off(r: int) -> int:
+    return _READER_BASE + 64 * r
+
+
+def _data_offset(n_readers: int) -> int:
+    end = _reader_off(n_readers)
+    return (end + 4095) // 4096 * 4096
+
+
+def segment_size(geometry: RingGeometry, n_readers: int) -> int:
+    return _data_offset(n_readers) + geometry.chunk_bytes * geometry.n_chunks
+
+
+@dataclass(frozen=True)
+class RingHandle:
+    """Plain data that lets another process attach: pass it as a dict."""
+
+    name: str
+    size: int
+    n_readers: int
+    chunk_bytes: int
+    n_chunks: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RingHandle:
+        return cls(**d)
+
+
+def create(n_readers: int, geometry: RingGeometry | None = None) -> RingHandle:
+    """Create an empty ring owned by this process, for a writer and readers to attach
+    to; the owner removes it with ``shm.unlink(handle.name)``."""
+    geometry = geometry or RingGeometry.from_env()
+    if n_readers < 1:
+        raise ValueError("a ring needs at least one reader")
+    seg = shm.Segment.create(segment_size(geometry, n_readers))
+    q, i = seg.buf.cast("Q"), seg.buf.cast("I")
+    q[_W_MAGIC] = _MAGIC
+    i[_I_NREADERS], i[_I_NCHUNKS] = n_readers, geometry.n_chunks
+    q[_W_CHUNK] = geometry.chunk_bytes
+    q.release()
+    i.release()
+    seg.close()
+    return RingHandle(seg.name, seg.size, n_readers, geometry.chunk_bytes, geometry.n_chunks)
+
+
+class _Ring:
+    """State shared by the two ends: the mapping and word accessors."""
+
+    def __init__(self, seg: shm.Segment, policy: WaitPolicy | None):
+        self._seg = seg
+        self._q = seg.buf.cast("Q")
+        self._i = seg.buf.cast("I")
+        self.n_readers = self._i[_I_NREADERS]
+        self.n_chunks = self._i[_I_NCHUNKS]
+        self.chunk_bytes = self._q[_W_CHUNK]
+        self._data = _data_offset(self.n_readers)
+        self._policy = policy or WaitPolicy.from_env()
+        self.handle = RingHandle(seg.name, seg.size, self.n_readers, self.chunk_bytes, self.n_chunks)
+
+    @property
+    def name(self) -> str:
+        return self._seg.name
+
+    def _chunk(self, seq: int) -> int:
+        return self._data + (seq % self.n_chunks) * self.chunk_bytes
+
+    def _raise_if_aborted(self) -> None:
+        if self._i[_I_STATE] == _ABORTED:
+            raise RingClosed(f"ring {self.name} aborted")
+
+    def abort(self) -> None:
+        """Mark the ring dead and wake every waiter on it (any process may call this:
+        used when a peer died). Blocked and later calls raise :class:`RingClosed`."""
+        self._i[_I_STATE] = _ABORTED
+        shm.fence()
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        base = self._seg.address
+        shm.futex_wake(base + 8 * _W_WSEQ)
+        for r in range(self.n_readers):
+            shm.futex_wake(base + _reader_off(r))
+
+    def _wait(self, ready: Callable[[], bool], word: Callable[[], int], flag: int,
+              deadline: float | None, cancel: Any, what: str,
+              on_full: Callable[[], None] | None = None) -> None:
+        """Wait until ``ready()``; ``word()`` gives the u32 byte offset of the futex
+        counter to sleep on, ``flag`` the u32 index of our waiting flag."""
+        pol = self._policy
+        now = time.monotonic()
+        spin_end = now + pol.spin_s
+        while now < spin_end:
+            if ready():
+                return
+            now = time.monotonic()
+        yield_end = now + pol.yield_s
+        while now < yield_end:
+            if ready():
+                return
+            time.sleep(0)
+            now = time.monotonic()
+        i = self._i
+        try:
+            while True:
+                if on_full is not None:
+                    on_full()
+                i[flag] = 1
+                shm.fence()
+                off = word()
+                value = i[off // 4]
+                if ready():
+                    return
+                self._raise_if_aborted()
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(f"{what} cancelled")
+                wait = pol.slice_s
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"{what} timed out on ring {self.name}")
+                    wait = min(wait, left)
+                shm.futex_wait(self._seg.address + off, value, wait)
+        finally:
+            i[flag] = 0
+
+    def _close_mapping(self) -> None:
+        self._q.release()
+        self._i.release()
+        self._seg.close()
+
+
+class RingWriter(_Ring):
+    """The writing end. Create with :meth:`create`; the writer owns the segment."""
+
+    @classmethod
+    def create(cls, n_readers: int, geometry: RingGeometry | None = None,
+               policy: WaitPolicy | None = None) -> RingWriter:
+        """Create a ring (this process owns its segment) and be its writer."""
+        return cls.attach(create(n_readers, geometry), policy)
+
+    @classmethod
+    def attach(cls, handle: RingHandle | dict, policy: WaitPolicy | None = None) -> RingWriter:
+        """Become the writer of a ring another process created (it stays the owner)."""
+        if isinstance(handle, dict):
+            handle = RingHandle.from_dict(handle)
+        return cls(shm.Segment.attach(handle.name, handle.size), policy)
+
+    def __init__(self, seg: shm.Segment, policy: WaitPolicy | None):
+        super().__init__(seg, policy)
+        self._seq = self._q[_W_WSEQ]
+        self._pending: tuple[list[memoryview], int] | None = None
+        self._min_read = 0
+        self._slowest = 0
+        self._reader_flags = [(_reader_off(r) + 8) // 4 for r in range(self.n_readers)]
+        self._buf = seg.buf
+
+    def _refresh_min_read(self) -> int:
+        q, i = self._q, self._i
+        best, slowest = None, self._slowest
+        for r in range(self.n_readers):
+            off = _reader_off(r)
+            if i[off // 4 + 3]:  # detached
+                continue
+            v = q[off // 8]
+            if best is None or v < best:
+                best, slowest = v, r
+        self._min_read = self._seq if best is None else best
+        self._slowest = slowest
+        return self._min_read
+
+    def _has_space(self) -> bool:
+        return self._seq - self._refresh_min_read() < self.n_chunks
+
+    def send(self, frames: Sequence[Buffer], timeout: float | None = None, cancel: Any = None,
+             on_full: Callable[[], None] | None = None) -> None:
+        """Publish one message made of ``frames`` to every reader.
+
+        Blocks while the ring is full, at most ``timeout`` seconds, then raises
+        :class:`TimeoutError`. A message cut short that way stays pending: it is
+        finished (before anything else) by the next ``send`` or :meth:`flush`, so
+        readers never see a torn message. ``on_full`` runs each time the writer is
+        about to sleep on a full ring (the executor drains replies there). The
+        frames are copied into shared memory before this returns.
+        """
+        if self._i[_I_STATE] != _OPEN:
+            raise RingClosed(f"ring {self.name} is closed")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.flush(deadline, cancel, on_full)
+        views = [f if isinstance(f, memoryview) and f.format == "B" and f.ndim == 1
+                 else memoryview(f).cast("B") for f in frames]
+        offsets, total = _layout([v.nbytes for v in views])
+        header = struct.pack(f"<{len(views) + 2}Q", total, len(views), *(v.nbytes for v in views))
+        pieces: list[memoryview] = []
+        at = 0
+        for view, off in zip([memoryview(header), *views], [0, *offsets]):
+            if off > at:
+                pieces.append(memoryview(_PAD)[:off - at])
+            if view.nbytes:
+                pieces.append(view)
+            at = off + view.nbytes
+        pieces.reverse()  # popped from the end
+        self._pending = (pieces, total)
+        self.flush(deadline, cancel, on_full)
+
+    def flush(self, deadline: float | None = None, cancel: Any = None,
+              on_full: Callable[[], None] | None = None) -> None:
+        """Finish streaming a message that an earlier ``send`` left pending."""
+        if self._pending is None:
+            return
+        pieces, left = self._pending
+        buf, cb = self._buf, self.chunk_bytes
+        while left:
+            if self._seq - self._min_read >= self.n_chunks and not self._has_space():
+                self._wait(self._has_space, lambda: _reader_off(self._slowest), _I_WWAIT,
+                           deadline, cancel, "send", on_full)
+            pos, room = self._chunk(self._seq), min(cb, left)
+            left -= room
+            while room:
+                piece = pieces.pop()
+                take = min(room, piece.nbytes)
+                buf[pos:pos + take] = piece[:take]
+                if take < piece.nbytes:
+                    pieces.append(piece[take:])
+                pos += take
+                room -= take
+            self._pending = (pieces, left)
+            self._publish()
+        self._pending = None
+
+    def _publish(self) -> None:
+        shm.fence()
+        self._seq += 1
+        self._q[_W_WSEQ] = self._seq
+        shm.fence()
+        i = self._i
+        for f in self._reader_flags:
+            if i[f]:
+                shm.futex_wake(self._seg.address + 8 * _W_WSEQ)
+                break
+
+    def close(self, unlink: bool = True) -> None:
+        """Tell readers no more messages come (they drain, then get RingClosed),
+        unmap, and remove the segment."""
+        if self._seg._mmap is None:
+            return
+        if self._i[_I_STATE] == _OPEN:
+            self._i[_I_STATE] = _CLOSED
+        shm.fence()
+        self._wake_all()
+        self._close_mapping()
+        if unlink:
+            self._seg.unlink()
+
+
+class RingReader(_Ring):
+    """Reader ``index`` of a ring, attached through its handle."""
+
+    @classmethod
+    def attach(cls, handle: RingHandle | dict, index: int, policy: WaitPolicy | None = None) -> RingReader:
+        if isinstance(handle, dict):
+            handle = RingHandle.from_dict(handle)
+        if not 0 <= index < handle.n_readers:
+            raise ValueError(f"reader index {index} out of range 0..{handle.n_readers - 1}")
+        seg = shm.Segment.attach(handle.name, handle.size)
+        return cls(seg, policy, index)
+
+    def __init__(self, seg: shm.Segment, policy: WaitPolicy | None, index: int = 0):
+        super().__init__(seg, policy)
+        if self._q[_W_MAGIC] != _MAGIC:
+            raise RingClosed(f"segment {seg.name} is not a zbus ring")
+        self.index = index
+        off = _reader_off(index)
+        self._rseq_w = off // 8
+        self._flag = off // 4 + 2
+        self._detached = off // 4 + 3
+        self._pos = self._q[self._rseq_w]
+        self._partial: tuple[bytearray, int] | None = None
+        self._buf = seg.buf
+
+    def _has_data(self) -> bool:
+        return self._q[_W_WSEQ] > self._pos
+
+    def poll(self) -> bool:
+        """Whether a message (or its first chunk) is waiting."""
+        return self._has_data()
+
+    def _next_chunk(self, deadline: float | None, cancel: Any) -> int:
+        if not self._has_data():
+            self._wait(self._ready_or_closed, lambda: 8 * _W_WSEQ, self._flag, deadline, cancel, "recv")
+            if not self._has_data():
+                raise RingClosed(f"ring {self.name} closed")
+        shm.fence()  # acquire: the chunk's bytes are read after write_seq
+        return self._chunk(self._pos)
+
+    def _ready_or_closed(self) -> bool:
+        return self._has_data() or self._i[_I_STATE] != _OPEN
+
+    def _release(self) -> None:
+        shm.fence()  # our copy is complete before the writer may reuse the chunk
+        self._pos += 1
+        self._q[self._rseq_w] = self._pos
+        shm.fence()
+        if self._i[_I_WWAIT]:
+            shm.futex_wake(self._seg.address + _reader_off(self.index), 1)
+
+    def recv(self, timeout: float | None = None, cancel: Any = None) -> list[memoryview]:
+        """Receive the next message as a list of frames (views of one private buffer).
+
+        On :class:`TimeoutError` in the middle of a long message, the part already
+        read is kept and the next ``recv`` carries on with it."""
+        self._raise_if_aborted()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        buf, cb = self._buf, self.chunk_bytes
+        if self._partial is None:
+            pos = self._next_chunk(deadline, cancel)
+            total = struct.unpack_from("<Q", buf, pos)[0]
+            take = min(cb, total)
+            out = bytearray(total)
+            out[:take] = buf[pos:pos + take]
+            self._release()
+            got = take
+        else:
+            out, got = self._partial
+            self._partial = None
+        total = len(out)
+        while got < total:
+            try:
+                pos = self._next_chunk(deadline, cancel)
+            except (TimeoutError, Cancelled):
+                self._partial = (out, got)
+                raise
+            take = min(cb, total - got)
+            out[got:got + take] = buf[pos:pos + take]
+            self._release()
+            got += take
+        return _split_frames(out)
+
+    def close(self) -> None:
+        """Detach: the writer stops waiting for this reader."""
+        if self._seg._mmap is None:
+            return
+        self._i[self._detached] = 1
+        shm.fence()
+        shm.futex_wake(self._seg.address + _reader_off(self.index))
+        self._close_mapping()
+
+
+_ALIGN = 64  # frames start 64-byte aligned in the message: tensors decode in place
+_PAD = bytes(_ALIGN)
+
+
+def _layout(lens: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of frames of ``lens`` bytes in a message, and the message size."""
+    pos, offsets = 16 + 8 * len(lens), []
+    for ln in lens:
+        pos = (pos + _ALIGN - 1) // _ALIGN * _ALIGN
+        offsets.append(pos)
+        pos += ln
+    return offsets, pos
+
+
+def _split_frames(out: bytearray) -> list[memoryview]:
+    n = struct.unpack_from("<Q", out, 8)[0]
+    lens = struct.unpack_from(f"<{n}Q", out, 16)
+    mv = memoryview(out)
+    offsets, _ = _layout(lens)
+    return [mv[off:off + ln] for off, ln in zip(offsets, lens)]

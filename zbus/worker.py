@@ -1,0 +1,194 @@
+"""The worker side: the :class:`Worker` base class and the worker process's loop.
+
+A worker process is a fresh interpreter running :func:`main` (no fork, and the
+driver script is never re-imported). It reads its place in the
+cluster from the ``ZBUS_WORKER`` environment variable (JSON), attaches to the
+broadcast ring and to its response queue, builds the worker object from the first
+broadcast message, answers READY, then serves calls until told to stop.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from . import protocol, shm
+from .errors import RingClosed, ZbusError
+from .logs import setup_logging
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Base class of user workers. Every public method is callable by name through
+    :meth:`zbus.Executor.collective_rpc`.
+
+    Attributes set before ``__init__`` runs: ``rank``, ``local_rank``,
+    ``world_size``, ``local_world_size``, ``node_rank`` (the torchrun variables of
+    the same names hold the same values).
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+
+
+def import_object(path: str) -> Any:
+    """Import ``"pkg.mod:Name"`` (dots after the colon walk attributes)."""
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{path!r} is not an import path of the form 'pkg.mod:Name'")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_worker(spec: dict, place: dict) -> Worker:
+    cls = spec["worker"]
+    if isinstance(cls, str):
+        cls = import_object(cls)
+    if not (isinstance(cls, type) and issubclass(cls, Worker)):
+        raise TypeError(f"{spec['worker']!r} is not a zbus.Worker subclass")
+    obj = cls.__new__(cls)
+    for key in ("rank", "local_rank", "world_size", "local_world_size", "node_rank"):
+        setattr(obj, key, place[key])
+    obj.__init__(**(spec.get("kwargs") or {}))
+    return obj
+
+
+def resolve_method(worker: Any, name: Any, allow_import: bool) -> Callable[..., Any]:
+    """The callable for RPC ``name``; ZbusError if unknown or refused."""
+    if type(name) is not str or not name:
+        raise ZbusError(f"method name must be a non-empty string, got {name!r}")
+    if ":" in name:
+        if not allow_import:
+            raise ZbusError(f"method {name!r}: calls by import path are disabled on this node")
+        if any(part.startswith("_") for part in name.replace(":", ".").split(".")):
+            raise ZbusError(f"method {name!r} refused: private names cannot be called")
+        func = import_object(name)
+        return lambda *a, **k: func(worker, *a, **k)
+    if name.startswith("_"):
+        raise ZbusError(f"method {name!r} refused: private names cannot be called")
+    method = getattr(worker, name, None)
+    if method is None or not callable(method):
+        raise ZbusError(f"unknown method {name!r} on {type(worker).__qualname__}")
+    return method
+
+
+class ReplyPipe:
+    """Sends replies in call order. A method may return a ``concurrent.futures``
+    Future: its reply goes when it completes, later replies queue behind it, and
+    the serving loop is never blocked."""
+
+    def __init__(self, put: Callable[[Any], None]):
+        self._put = put
+        self._queue: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+
+    def send(self, seq: int, result: Any, status: int) -> None:
+        with self._lock:
+            if not self._queue and not isinstance(result, concurrent.futures.Future):
+                self._put([seq, status, result])
+                return
+            self._queue.append((seq, result, status))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="zbus-replies", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue:
+                    self._cond.wait()
+                seq, result, status = self._queue[0]
+            if isinstance(result, concurrent.futures.Future):
+                try:
+                    result, status = result.result(), protocol.OK
+                except BaseException as e:  # noqa: BLE001 - reported to the caller
+                    result, status = e, protocol.RAISED
+            with self._lock:
+                self._put([seq, status, result])
+                self._queue.popleft()
+
+
+def serve(worker: Worker, recv: Callable[[], Any], put: Callable[[Any], None],
+          allow_import: bool) -> None:
+    """Serve calls until a STOP message or the ring closes."""
+    replies = ReplyPipe(put)
+    while True:
+        try:
+            msg = recv()
+        except RingClosed:
+            return
+        kind = msg[0]
+        if kind == protocol.STOP:
+            return
+        _, seq, method, args, kwargs, reply_rank = msg
+        try:
+            func = resolve_method(worker, method, allow_import)
+        except Exception as e:  # noqa: BLE001
+            result, status = e, (protocol.REFUSED if isinstance(e, ZbusError) else protocol.RAISED)
+        else:
+            try:
+                result, status = func(*args, **(kwargs or {})), protocol.OK
+            except Exception as e:  # noqa: BLE001 - the worker keeps serving
+                result, status = e, protocol.RAISED
+        if reply_rank < 0 or reply_rank == worker.rank:
+            replies.send(seq, result, status)
+
+
+def _watch_death_pipe(fd: int, segments: list[str]) -> None:
+    """Block until the driver's end of the pipe closes (it exited, even by SIGKILL),
+    then remove the driver's segments and end this process."""
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    for name in segments:
+        shm.unlink(name)
+    log.error("driver process is gone: exiting")
+    os._exit(3)
+
+
+def main() -> None:
+    from . import codec
+    from .queues import ShmSender
+    from .ring import RingReader
+
+    place = json.loads(os.environ.pop("ZBUS_WORKER"))
+    setup_logging(f"rank {place['rank']}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    death = threading.Thread(target=_watch_death_pipe, args=(place["death_fd"], place["segments"]),
+                             name="zbus-death-pipe", daemon=True)
+    death.start()
+    bcast = RingReader.attach(place["bcast"], place["local_rank"])
+    out = ShmSender(place["resp"])
+    try:
+        spec = codec.decode(bcast.recv())
+        try:
+            worker = build_worker(spec, place)
+        except BaseException as e:  # noqa: BLE001 - the driver shows it
+            out.put([place["rank"], protocol.READY, protocol.RAISED, e])
+            return
+        out.put([place["rank"], protocol.READY, protocol.OK, {"pid": os.getpid()}])
+        put = lambda reply: out.put([place["rank"], *reply])  # noqa: E731
+        serve(worker, lambda: codec.decode(bcast.recv()), put, spec.get("allow_import", True))
+    finally:
+        bcast.close()
+        out.close()
+
