@@ -10,7 +10,9 @@ to a whitelist, and dataclasses to the ones registered with :func:`register`.
 Supported: None, bool, int, float, str, bytes, bytearray, memoryview, list, tuple
 (kept as tuple), dict, ``torch.Tensor`` (CPU, any dtype and layout, 0-d included),
 ``numpy.ndarray`` (numeric dtypes), registered dataclasses, and exceptions (sent as
-:class:`ExceptionInfo`: type name, message and traceback text).
+:class:`ExceptionInfo`: type name, message and traceback text). A bytearray or
+memoryview keeps its kind (and travels out of band when large) at the top level and
+as a tuple item; inside a list or dict msgpack packs it itself, as inline bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 import traceback
 from typing import Any, Sequence
 
@@ -31,6 +34,7 @@ _BYTES_KINDS = {0: bytes, 1: bytearray, 2: memoryview}
 OOB_THRESHOLD = 16 * 1024  # byte strings at least this long travel as their own frame
 MAX_MESSAGE = int(os.environ.get("ZBUS_MAX_MESSAGE", 4 * 2**30))
 _MAX_FRAMES = 1 << 20
+MAX_DEPTH = 32  # nesting of extension types (tuples, dataclasses, ...) in one message
 
 _registry: dict[str, type] = {}
 
@@ -65,13 +69,29 @@ def register(cls: type, name: str | None = None) -> type:
 
 
 class _Encoder:
-    __slots__ = ("buffers",)
+    """Encoding state of one ``encode`` call. Packers are reused per thread and per
+    nesting depth (extension payloads are packed while the outer pack runs): a fresh
+    Packer allocates a 256 KiB buffer, which would dominate a small RPC."""
 
-    def __init__(self) -> None:
+    __slots__ = ("buffers", "depth", "packers")
+
+    def __init__(self, packers: list) -> None:
         self.buffers: list[memoryview] = []
+        self.depth = 0
+        self.packers = packers
 
     def pack(self, obj: Any) -> bytes:
-        return msgpack.packb(obj, default=self.default, strict_types=True, use_bin_type=True)
+        if self.depth == len(self.packers):
+            self.packers.append(msgpack.Packer(default=_default, strict_types=True, use_bin_type=True))
+        packer = self.packers[self.depth]
+        self.depth += 1
+        try:
+            return packer.pack(obj)
+        except BaseException:
+            packer.reset()
+            raise
+        finally:
+            self.depth -= 1
 
     def oob(self, view: memoryview) -> int:
         self.buffers.append(view)
@@ -80,10 +100,11 @@ class _Encoder:
     def default(self, obj: Any) -> Any:
         t = type(obj)
         if t is tuple:  # large bytes arguments travel out of band (msgpack packs bytes inline)
-            items = [_BigBytes(x) if type(x) is bytes and len(x) >= OOB_THRESHOLD else x for x in obj]
+            items = [_BigBytes(x) if (type(x) is bytes and len(x) >= OOB_THRESHOLD)
+                     or type(x) in _KIND_OF else x for x in obj]
             return msgpack.ExtType(_TUPLE, self.pack(items))
         if t is _BigBytes:
-            return self._bytes(obj.data, 0)
+            return self._bytes(obj.data, _KIND_OF.get(type(obj.data), 0))
         if t in (bytearray, memoryview):
             return self._bytes(obj, 1 if t is bytearray else 2)
         torch = sys.modules.get("torch")
@@ -110,8 +131,11 @@ class _Encoder:
                          "(register dataclasses with zbus.codec.register)")
 
     def _bytes(self, obj: Any, kind: int) -> Any:
-        view = memoryview(obj).cast("B") if not isinstance(obj, memoryview) or obj.format != "B" \
-            else obj
+        view = memoryview(obj)
+        if not view.c_contiguous:  # a strided view: send a compact copy
+            view = memoryview(view.tobytes())
+        elif view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         if view.nbytes >= OOB_THRESHOLD:
             return msgpack.ExtType(_BYTES, self.pack([kind, self.oob(view)]))
         return msgpack.ExtType(_BYTES, self.pack([kind, view.tobytes()]))
@@ -126,28 +150,26 @@ class _Encoder:
         if t.numel() == 0:
             return [dtype, list(t.shape), None, None]
         strides = list(t.stride())
-        if not t.is_contiguous():
-            if _dense(t.shape, strides):
-                flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
-            else:  # overlapping or gapped layout: send a compact copy
-                t = t.contiguous()
-                strides = list(t.stride())
-                flat = t.reshape(-1)
-        else:
-            flat = t.reshape(-1)
+        if not t.is_contiguous() and not _dense(t.shape, strides):
+            t = t.contiguous()  # overlapping or gapped layout: send a compact copy
+            strides = list(t.stride())
+        # The elements tile one block (size-1 dims may have any stride): send it as is.
+        flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
         raw = flat.view(torch.uint8).numpy()
         return [dtype, list(t.shape), strides, self.oob(memoryview(raw).cast("B"))]
 
     def _ndarray(self, a: Any, np: Any) -> list:
         if a.dtype.kind not in _NP_KINDS or a.dtype.fields is not None:
             raise CodecError(f"cannot send a numpy array of dtype {a.dtype}: numeric dtypes only")
-        a = np.ascontiguousarray(a)
+        shape = list(a.shape)
+        a = np.ascontiguousarray(a)  # (which turns a 0-d array into a 1-d one)
         if a.nbytes == 0:
-            return [a.dtype.str, list(a.shape), None]
-        return [a.dtype.str, list(a.shape), self.oob(memoryview(a.reshape(-1).view(np.uint8)))]
+            return [a.dtype.str, shape, None]
+        return [a.dtype.str, shape, self.oob(memoryview(a.reshape(-1).view(np.uint8)))]
 
 
 _NP_KINDS = "biufc?"
+_KIND_OF = {bytearray: 1, memoryview: 2}  # the wire kinds of _BYTES_KINDS
 
 
 class _BigBytes:
@@ -168,16 +190,32 @@ def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
+_local = threading.local()
+
+
+def _default(obj: Any) -> Any:
+    return _local.encoder.default(obj)
+
+
 def encode(obj: Any) -> list[Any]:
     """Encode ``obj`` into frames: ``[header, *buffers]``. Buffers are views of the
     caller's memory, valid until the caller changes it: send before that."""
-    enc = _Encoder()
+    outer = getattr(_local, "encoder", None)
+    if outer is None:
+        packers = getattr(_local, "packers", None)
+        if packers is None:
+            packers = _local.packers = []
+    else:  # encode() called from inside an encode (a dataclass field's property, say)
+        packers = []
+    enc = _local.encoder = _Encoder(packers)
     try:
-        header = enc.pack(obj)
+        header = enc.pack(_BigBytes(obj) if type(obj) in _KIND_OF else obj)
     except CodecError:
         raise
-    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+    except (TypeError, ValueError, OverflowError, RuntimeError, BufferError) as e:
         raise CodecError(f"cannot encode: {e}") from e
+    finally:
+        _local.encoder = outer
     return [header, *enc.buffers]
 
 
@@ -185,10 +223,11 @@ def encode(obj: Any) -> list[Any]:
 
 
 class _Decoder:
-    __slots__ = ("frames",)
+    __slots__ = ("frames", "depth")
 
     def __init__(self, frames: Sequence[Any]) -> None:
         self.frames = frames
+        self.depth = 0
 
     def unpack(self, data: bytes) -> Any:
         return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=False,
@@ -200,7 +239,15 @@ class _Decoder:
         return self.frames[index + 1]
 
     def ext(self, code: int, data: bytes) -> Any:
-        body = self.unpack(data)
+        # Each level is a nested unpack using ~40 KiB of C stack: ~200 levels (a 1 KiB
+        # message) would overflow it and kill the process.
+        if self.depth >= MAX_DEPTH:
+            raise CodecError(f"extension types nested deeper than {MAX_DEPTH}")
+        self.depth += 1
+        try:
+            body = self.unpack(data)
+        finally:
+            self.depth -= 1
         if code == _TUPLE and type(body) is list:
             return tuple(body)
         if code == _BYTES:

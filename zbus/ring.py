@@ -8,9 +8,9 @@ full ring behind: nothing is dropped or overwritten.
 Layout (little-endian; each independently written word on its own cache line)::
 
     0              magic u64, n_readers u32, n_chunks u32, chunk_bytes u64
-    64             write_seq u64        chunks published so far (futex for readers)
+    64             write_seq u64        chunks published so far (readers wait on it)
     128            writer_waiting u32, state u32
-    192 + 64*r     read_seq[r] u64      chunks reader r has released (futex for writer)
+    192 + 64*r     read_seq[r] u64      chunks reader r has released (the writer waits on it)
                    reader_waiting[r] u32, detached[r] u32
     data           n_chunks * chunk_bytes, chunk s lives at (s % n_chunks)
 
@@ -23,12 +23,12 @@ Protocol (see docs/architecture.md for why it is safe):
   readers if any has reader_waiting set.
 - Consume: see write_seq > s, fence, copy chunk s out, fence, read_seq[r] = s + 1,
   fence, then wake the writer if writer_waiting is set.
-- Park (either side): set own waiting flag, fence, load the peer's counter, re-check
-  the condition, then futex-wait on that counter *with the loaded value*. The
-  fences order flag-store before counter-load on both sides (Dekker), so either
-  the waiter sees the new counter or the publisher sees the flag and wakes it;
-  and the futex compares the value atomically in the kernel, so a wake between
-  the check and the sleep is not lost either.
+- Park (either side): set own waiting flag, fence, re-check the condition, then
+  sleep on own doorbell (:class:`zbus.shm.Doorbell`). The fences order
+  flag-store before counter-load on both sides (Dekker), so either the waiter
+  sees the new counter or the publisher sees the flag and rings; and a ring is a
+  queued datagram, so one that lands between the check and the sleep ends the
+  sleep at once: no wake-up is lost.
 
 A message's byte stream is ``total u64 | nframes u64 | len u64 * nframes | frames``,
 each frame starting 64-byte aligned.
@@ -117,6 +117,9 @@ class _Ring:
         self._data = _data_offset(self.n_readers)
         self._policy = policy or WaitPolicy.from_env()
         self.handle = RingHandle(seg.name, seg.size, self.n_readers, self.chunk_bytes, self.n_chunks)
+        self._writer_bell = shm.bell_address(f"{seg.name}/w")
+        self._reader_bells = [shm.bell_address(f"{seg.name}/r{r}") for r in range(self.n_readers)]
+        self._bell: shm.Doorbell | None = None
 
     @property
     def name(self) -> str:
@@ -137,16 +140,14 @@ class _Ring:
         self._wake_all()
 
     def _wake_all(self) -> None:
-        base = self._seg.address
-        shm.futex_wake(base + 8 * _W_WSEQ)
-        for r in range(self.n_readers):
-            shm.futex_wake(base + _reader_off(r))
+        shm.ring(self._writer_bell)
+        for address in self._reader_bells:
+            shm.ring(address)
 
-    def _wait(self, ready: Callable[[], bool], word: Callable[[], int], flag: int,
-              deadline: float | None, cancel: Any, what: str,
-              on_full: Callable[[], None] | None = None) -> None:
-        """Wait until ``ready()``; ``word()`` gives the u32 byte offset of the futex
-        counter to sleep on, ``flag`` the u32 index of our waiting flag."""
+    def _wait(self, ready: Callable[[], bool], flag: int, deadline: float | None, cancel: Any,
+              what: str, on_full: Callable[[], None] | None = None) -> None:
+        """Wait until ``ready()``: spin, yield, then sleep on our doorbell with our
+        waiting flag (u32 index ``flag``) raised."""
         pol = self._policy
         now = time.monotonic()
         spin_end = now + pol.spin_s
@@ -167,8 +168,6 @@ class _Ring:
                     on_full()
                 i[flag] = 1
                 shm.fence()
-                off = word()
-                value = i[off // 4]
                 if ready():
                     return
                 self._raise_if_aborted()
@@ -180,11 +179,13 @@ class _Ring:
                     if left <= 0:
                         raise TimeoutError(f"{what} timed out on ring {self.name}")
                     wait = min(wait, left)
-                shm.futex_wait(self._seg.address + off, value, wait)
+                self._bell.wait(wait)
         finally:
             i[flag] = 0
 
     def _close_mapping(self) -> None:
+        if self._bell is not None:
+            self._bell.close()
         self._q.release()
         self._i.release()
         self._seg.close()
@@ -213,6 +214,7 @@ class RingWriter(_Ring):
         self._min_read = 0
         self._slowest = 0
         self._reader_flags = [(_reader_off(r) + 8) // 4 for r in range(self.n_readers)]
+        self._bell = shm.Doorbell(f"{seg.name}/w")
         self._buf = seg.buf
 
     def _refresh_min_read(self) -> int:
@@ -272,8 +274,7 @@ class RingWriter(_Ring):
         buf, cb = self._buf, self.chunk_bytes
         while left:
             if self._seq - self._min_read >= self.n_chunks and not self._has_space():
-                self._wait(self._has_space, lambda: _reader_off(self._slowest), _I_WWAIT,
-                           deadline, cancel, "send", on_full)
+                self._wait(self._has_space, _I_WWAIT, deadline, cancel, "send", on_full)
             pos, room = self._chunk(self._seq), min(cb, left)
             left -= room
             while room:
@@ -294,10 +295,9 @@ class RingWriter(_Ring):
         self._q[_W_WSEQ] = self._seq
         shm.fence()
         i = self._i
-        for f in self._reader_flags:
+        for r, f in enumerate(self._reader_flags):
             if i[f]:
-                shm.futex_wake(self._seg.address + 8 * _W_WSEQ)
-                break
+                shm.ring(self._reader_bells[r])
 
     def close(self, unlink: bool = True) -> None:
         """Tell readers no more messages come (they drain, then get RingClosed),
@@ -337,6 +337,7 @@ class RingReader(_Ring):
         self._pos = self._q[self._rseq_w]
         self._partial: tuple[bytearray, int] | None = None
         self._buf = seg.buf
+        self._bell = shm.Doorbell(f"{seg.name}/r{index}")
 
     def _has_data(self) -> bool:
         return self._q[_W_WSEQ] > self._pos
@@ -347,7 +348,7 @@ class RingReader(_Ring):
 
     def _next_chunk(self, deadline: float | None, cancel: Any) -> int:
         if not self._has_data():
-            self._wait(self._ready_or_closed, lambda: 8 * _W_WSEQ, self._flag, deadline, cancel, "recv")
+            self._wait(self._ready_or_closed, self._flag, deadline, cancel, "recv")
             if not self._has_data():
                 raise RingClosed(f"ring {self.name} closed")
         shm.fence()  # acquire: the chunk's bytes are read after write_seq
@@ -362,7 +363,7 @@ class RingReader(_Ring):
         self._q[self._rseq_w] = self._pos
         shm.fence()
         if self._i[_I_WWAIT]:
-            shm.futex_wake(self._seg.address + _reader_off(self.index), 1)
+            shm.ring(self._writer_bell)
 
     def recv(self, timeout: float | None = None, cancel: Any = None) -> list[memoryview]:
         """Receive the next message as a list of frames (views of one private buffer).
@@ -402,7 +403,7 @@ class RingReader(_Ring):
             return
         self._i[self._detached] = 1
         shm.fence()
-        shm.futex_wake(self._seg.address + _reader_off(self.index))
+        shm.ring(self._writer_bell)
         self._close_mapping()
 
 

@@ -1,0 +1,253 @@
+"""The shared-memory broadcast ring, over real processes and real shared memory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import end_process, spawn_python, zbus_segments
+from ring_procs import make_message
+
+from zbus import shm
+from zbus.config import RingGeometry, WaitPolicy
+from zbus.errors import Cancelled, RingClosed, ShmSpaceError
+from zbus.ring import RingReader, RingWriter
+
+# A wait slice far beyond any test's timeout: a lost wake-up would hang the test
+# (and fail it by timeout) instead of being rescued by a periodic re-check.
+NO_RESCUE = {"ZBUS_WAIT_SLICE": "600"}
+
+
+def start_readers(writer: RingWriter, n: int, count: int, delays=None, env=None) -> list[psutil.Popen]:
+    handle = json.dumps(writer.handle.to_dict())
+    delays = delays or [0.0] * n
+    return [spawn_python("import sys, ring_procs; ring_procs.check_reader(sys.argv[1], int(sys.argv[2]), "
+                         "int(sys.argv[3]), float(sys.argv[4]))", handle, str(i), str(count),
+                         str(delays[i]), stdout=subprocess.PIPE, env=env or {}) for i in range(n)]
+
+
+def collect(readers: list[psutil.Popen], timeout: float = 120) -> list[dict]:
+    out = []
+    for proc in readers:
+        stdout, _ = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"reader failed with {proc.returncode}"
+        out.append(json.loads(stdout))
+    return out
+
+
+def test_100k_messages_three_readers_every_message_once_in_order():
+    geo = RingGeometry(1024, 16)
+    writer = RingWriter.create(3, geo, WaitPolicy.from_env())
+    count = 100_000
+    readers = start_readers(writer, 3, count)
+    rng = random.Random(7)
+    digest = hashlib.blake2b()
+    try:
+        for i in range(count):
+            payload = rng.randbytes(rng.randint(0, 3 * geo.chunk_bytes))
+            digest.update(payload)
+            writer.send(make_message(i, payload), timeout=60)
+        results = collect(readers)
+    finally:
+        for r in readers:
+            end_process(r)
+        writer.close()
+    assert [r["count"] for r in results] == [count] * 3
+    assert {r["digest"] for r in results} == {digest.hexdigest()}
+
+
+def test_message_larger_than_ring_streams_through_shared_memory():
+    writer = RingWriter.create(1, RingGeometry(64 * 1024, 8))  # 512 KiB of ring
+    payload = os.urandom(64 * 2**20)
+    readers = start_readers(writer, 1, 1)
+    try:
+        writer.send(make_message(0, payload), timeout=60)
+        (result,) = collect(readers)
+    finally:
+        for r in readers:
+            end_process(r)
+        writer.close()
+    assert result["digest"] == hashlib.blake2b(payload).hexdigest()
+
+
+def test_slow_reader_blocks_writer_then_nothing_is_lost():
+    geo = RingGeometry(1024, 4)
+    writer = RingWriter.create(2, geo)
+    count = 64
+    readers = start_readers(writer, 2, count, delays=[0.0, 1.5])
+    payloads = [os.urandom(700) for _ in range(count)]
+    try:
+        t0 = time.monotonic()
+        for i, p in enumerate(payloads):
+            writer.send(make_message(i, p), timeout=30)
+        blocked_for = time.monotonic() - t0
+        results = collect(readers)
+    finally:
+        for r in readers:
+            end_process(r)
+        writer.close()
+    # 64 messages cannot fit in 4 chunks: the writer waited for the sleeping reader.
+    assert blocked_for > 1.0
+    digest = hashlib.blake2b(b"".join(payloads)).hexdigest()
+    assert [r["digest"] for r in results] == [digest, digest]
+
+
+def test_send_times_out_on_a_full_ring_then_resumes_without_tearing():
+    writer = RingWriter.create(1, RingGeometry(256, 2))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        writer.send([b"a" * 100], timeout=1)
+        writer.send([b"b" * 100], timeout=1)
+        with pytest.raises(TimeoutError):
+            writer.send([b"c" * 600], timeout=0.2)  # needs 3 chunks; none free
+        assert bytes(reader.recv(timeout=1)[0]) == b"a" * 100
+        assert bytes(reader.recv(timeout=1)[0]) == b"b" * 100
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("m", bytes(reader.recv(timeout=5)[0])))
+        t.start()
+        writer.send([b"d"], timeout=5)  # finishes the cut message before it sends this
+        t.join(10)
+        assert got["m"] == b"c" * 600
+        assert bytes(reader.recv(timeout=5)[0]) == b"d"
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_recv_timeout_cancel_and_abort():
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            reader.recv(timeout=0.2)
+        assert 0.15 < time.monotonic() - t0 < 2
+        cancel = threading.Event()
+        threading.Timer(0.2, cancel.set).start()
+        with pytest.raises(Cancelled):
+            reader.recv(timeout=10, cancel=cancel)
+        # abort from another thread wakes a reader blocked with no timeout, at once
+        threading.Timer(0.2, writer.abort).start()
+        t0 = time.monotonic()
+        with pytest.raises(RingClosed):
+            reader.recv()
+        assert time.monotonic() - t0 < 2
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_close_lets_readers_drain_then_raises():
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    writer.send([b"last"])
+    writer.close()
+    assert bytes(reader.recv(timeout=1)[0]) == b"last"
+    with pytest.raises(RingClosed):
+        reader.recv(timeout=1)
+    reader.close()
+
+
+def test_reader_index_cannot_be_attached_twice():
+    writer = RingWriter.create(2, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 1)
+    try:
+        with pytest.raises(OSError, match="attached twice"):
+            RingReader.attach(writer.handle, 1)
+        with pytest.raises(ValueError):
+            RingReader.attach(writer.handle, 2)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_idle_reader_uses_no_cpu_and_wakes_fast():
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    proc = spawn_python("import sys, ring_procs; ring_procs.idle_reader(sys.argv[1], 0)",
+                        json.dumps(writer.handle.to_dict()), stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.3)
+        cpu0 = sum(proc.cpu_times()[:2])
+        time.sleep(2.0)
+        idle_cpu = sum(proc.cpu_times()[:2]) - cpu0
+        writer.send(make_message(0, b"wake"), timeout=5)
+        latency = json.loads(proc.stdout.readline())["latency"]
+    finally:
+        end_process(proc)
+        writer.close()
+    print(f"idle reader: {idle_cpu / 2.0:.2%} of a core; wake-up after 2 s idle: {latency * 1e6:.0f} us")
+    assert idle_cpu / 2.0 < 0.05
+    assert latency < 0.1  # a lost wake-up would take the 0.5 s wait slice or more
+
+
+def test_no_lost_wakeup_bursts_with_idle_gaps():
+    """Bursts separated by gaps long enough for every side to park, with no periodic
+    re-check to rescue a lost wake-up: the test finishes only if none is lost.
+    The ring is small so the writer parks on full as well."""
+    geo = RingGeometry(256, 4)
+    writer = RingWriter.create(2, geo, WaitPolicy(0.0, 0.0, 600.0))
+    rng = random.Random(3)
+    plan = [rng.randint(1, 12) for _ in range(300)]
+    count = sum(plan)
+    readers = start_readers(writer, 2, count, env=NO_RESCUE)
+    digest = hashlib.blake2b()
+    i = 0
+    try:
+        for burst in plan:
+            for _ in range(burst):
+                payload = rng.randbytes(rng.randint(0, 600))
+                digest.update(payload)
+                writer.send(make_message(i, payload), timeout=60)
+                i += 1
+            time.sleep(rng.choice([0, 0.0005, 0.002, 0.01]))
+        results = collect(readers)
+    finally:
+        for r in readers:
+            end_process(r)
+        writer.close()
+    assert [r["digest"] for r in results] == [digest.hexdigest()] * 2
+    print(f"worst wake-up latency over {count} messages: "
+          f"{max(r['worst_latency'] for r in results) * 1e3:.1f} ms")
+
+
+def test_segment_of_sigkilled_owner_is_swept():
+    proc = spawn_python("from zbus.ring import RingWriter; from zbus.config import RingGeometry; "
+                        "w = RingWriter.create(1, RingGeometry(256, 4)); print(w.name, flush=True); "
+                        "import time; time.sleep(60)", stdout=subprocess.PIPE)
+    try:
+        name = proc.stdout.readline().decode().strip()
+        assert name in zbus_segments()
+        assert shm.sweep_stale() == []  # owner alive: kept
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert name in zbus_segments()
+        assert name in shm.sweep_stale()
+        assert name not in zbus_segments()
+    finally:
+        end_process(proc)
+
+
+def test_creation_checks_free_space_and_says_how_much_is_needed():
+    free = os.statvfs(shm.SHM_DIR).f_bavail * os.statvfs(shm.SHM_DIR).f_frsize
+    geo = RingGeometry(2**30, free // 2**30 + 2)
+    before = zbus_segments()
+    with pytest.raises(ShmSpaceError, match="MiB"):
+        RingWriter.create(1, geo)
+    assert zbus_segments() == before
+
+
+def test_geometry_setting(monkeypatch):
+    monkeypatch.setenv("ZBUS_RING", "64Kx32")
+    assert RingGeometry.from_env() == RingGeometry(64 * 1024, 32)
+    monkeypatch.setenv("ZBUS_RING", "nonsense")
+    with pytest.raises(ValueError, match="ZBUS_RING"):
+        RingGeometry.from_env()
