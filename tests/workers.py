@@ -9,6 +9,7 @@ import threading
 import time
 
 import zbus
+import zbus.executor
 
 
 class EchoWorker(zbus.Worker):
@@ -66,3 +67,44 @@ class EchoWorker(zbus.Worker):
 
 def add_rank(worker, x, y=0):
     return x + y + worker.rank
+
+
+class DistWorker(zbus.Worker):
+    """Joins a torch.distributed (gloo) group from the torchrun variables."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method="env://")
+
+    def all_reduce(self, value):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)])
+        dist.all_reduce(t)
+        return t.item()
+
+    def close(self):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+class NotAWorker:
+    pass
+
+
+class BrokenImportWorker(zbus.Worker):
+    def __init__(self):
+        import zbus_module_that_does_not_exist  # noqa: F401
+
+
+class CustomExecutor(zbus.executor.MultiprocExecutor):
+    """A user backend: counts calls."""
+
+    calls = 0
+
+    def collective_rpc(self, method, *args, **kwargs):
+        CustomExecutor.calls += 1
+        return super().collective_rpc(method, *args, **kwargs)

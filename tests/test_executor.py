@@ -1,0 +1,270 @@
+"""The executor through its public API, with real worker processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import workers
+from conftest import end_process, spawn_python, zbus_segments
+from workers import EchoWorker
+
+import zbus
+
+
+@pytest.fixture(scope="module")
+def ex():
+    with zbus.Executor(EchoWorker, nproc_per_node=2, worker_kwargs={"tag": "t"}) as executor:
+        yield executor
+
+
+def test_results_in_rank_order_with_kwargs(ex):
+    assert ex.world_size == 2 and ex.output_rank == 0
+    assert ex.collective_rpc("rank_value", args=(3,)) == [30, 31]
+    assert ex.collective_rpc("echo", args=(1, (2, b"x")), kwargs={"k": [None, 1.5]}) == [
+        ((1, (2, b"x")), {"k": [None, 1.5]})] * 2
+
+
+def test_unique_reply_rank(ex):
+    assert ex.collective_rpc("rank_value", args=(1,), unique_reply_rank=1) == 11
+    assert ex.collective_rpc("rank_value", args=(1,), unique_reply_rank=ex.output_rank) == 10
+    with pytest.raises(ValueError):
+        ex.collective_rpc("noop", unique_reply_rank=2)
+
+
+def test_torchrun_environment_and_worker_attributes(ex):
+    infos = ex.collective_rpc("whoami")
+    assert [i["rank"] for i in infos] == [0, 1]
+    for r, info in enumerate(infos):
+        env = info["env"]
+        assert env["RANK"] == str(r) and env["LOCAL_RANK"] == str(r)
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2" and env["NODE_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert info["tag"] == "t" and info["world_size"] == 2
+    assert infos[0]["pid"] != infos[1]["pid"] != os.getpid()
+
+
+def test_non_blocking_futures_complete_in_issue_order(ex):
+    futs = [ex.collective_rpc("rank_value", args=(i,), non_block=True) for i in range(200)]
+    assert isinstance(futs[0], concurrent.futures.Future)
+    # result() of the last completes all the earlier ones first
+    assert futs[-1].result(timeout=30) == [1990, 1991]
+    assert all(f.done() for f in futs)
+    assert [f.result() for f in futs] == [[10 * i, 10 * i + 1] for i in range(200)]
+
+
+def test_async_results_come_in_order_without_blocking_the_next_call(ex):
+    slow = ex.collective_rpc("later", args=("slow", 0.5), non_block=True)
+    t0 = time.monotonic()
+    fast = ex.collective_rpc("rank_value", args=(5,), non_block=True)
+    assert fast.result(timeout=10) == [50, 51]
+    assert slow.done() and slow.result() == ["slow", "slow"]
+    assert time.monotonic() - t0 >= 0.4  # the fast reply queued behind the slow one
+
+
+def test_tensors_in_and_out_non_contiguous_included(ex):
+    torch = pytest.importorskip("torch")
+    x = torch.arange(12.0).reshape(3, 4).t()  # non-contiguous
+    assert ex.collective_rpc("tensor_sum", args=(x,)) == [66.0, 66.0]
+    out = ex.collective_rpc("tensor_back", args=(x,))
+    assert torch.equal(out[0], x * 2) and torch.equal(out[1], x)
+    assert out[1].shape == (4, 3) and out[1].stride() == x.stride()
+    big = torch.randn(1024, 1024)  # 4 MiB: streams through the 1 MiB chunks
+    assert ex.collective_rpc("tensor_sum", args=(big,))[0] == pytest.approx(big.sum().item(), rel=1e-4)
+
+
+def test_remote_error_carries_details_and_worker_survives(ex):
+    with pytest.raises(zbus.RemoteError) as info:
+        ex.collective_rpc("boom", args=("bad input",))
+    err = info.value
+    assert err.rank == 0 and err.type_name == "ValueError" and err.message == "bad input"
+    assert "ValueError: bad input" in str(err) and "in boom" in err.remote_traceback
+    assert isinstance(err, zbus.ZbusError)
+    assert ex.collective_rpc("rank_value", args=(2,)) == [20, 21]
+
+
+def test_unknown_and_private_methods_are_refused(ex):
+    with pytest.raises(zbus.ZbusError, match="no_such_method"):
+        ex.collective_rpc("no_such_method")
+    with pytest.raises(zbus.ZbusError, match="_private"):
+        ex.collective_rpc("_private")
+    with pytest.raises(zbus.ZbusError, match="__init__"):
+        ex.collective_rpc("__init__")
+    with pytest.raises(zbus.ZbusError, match="refused"):
+        ex.collective_rpc("workers:_private_func")
+    assert ex.collective_rpc("noop") == [None, None]
+
+
+def test_import_path_calls(ex):
+    assert ex.collective_rpc("workers:add_rank", args=(1,), kwargs={"y": 2}) == [3, 4]
+    with pytest.raises(zbus.RemoteError, match="ModuleNotFoundError"):
+        ex.collective_rpc("no_such_module:func")
+
+
+def test_timeout_then_late_replies_are_discarded(ex):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ex.collective_rpc("sleep", args=(1.0,), timeout=0.3)
+    assert time.monotonic() - t0 < 1.0
+    # the next call gets its own answer, not the late one of the timed-out call
+    assert ex.collective_rpc("rank_value", args=(7,), timeout=10) == [70, 71]
+
+
+def test_future_result_timeout_leaves_call_pending(ex):
+    fut = ex.collective_rpc("sleep", args=(0.5,), non_block=True)
+    with pytest.raises(TimeoutError):
+        fut.result(timeout=0.1)
+    assert fut.result(timeout=10) == [0, 1]
+
+
+def test_worker_sigkill_mid_call_fails_pending_and_later_calls():
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    failed = []
+    ex.register_failure_callback(lambda: failed.append(True))
+    try:
+        pending = ex.collective_rpc("sleep", args=(30,), non_block=True)
+        pid = ex.collective_rpc("whoami", non_block=True)
+        victim = psutil.Process(ex._workers.procs[1].pid)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        with pytest.raises(zbus.WorkerDiedError) as info:
+            pending.result(timeout=10)
+        assert time.monotonic() - t0 < 1.0
+        assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
+        assert isinstance(info.value, zbus.ExecutorFailedError)
+        with pytest.raises(zbus.WorkerDiedError):
+            pid.result(timeout=1)
+        t0 = time.monotonic()
+        with pytest.raises(zbus.WorkerDiedError):
+            ex.collective_rpc("noop")
+        assert time.monotonic() - t0 < 0.1
+        with pytest.raises(zbus.WorkerDiedError):
+            ex.check_health()
+        assert failed == [True]
+        late = []
+        ex.register_failure_callback(lambda: late.append(True))
+        assert late == [True]
+    finally:
+        ex.shutdown()
+    assert not ex._workers.alive()
+
+
+def test_worker_abort_is_reported():
+    with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
+        with pytest.raises(zbus.WorkerDiedError) as info:
+            ex.collective_rpc("die", kwargs={"rank": 0, "how": "abort"}, timeout=10)
+        assert info.value.rank == 0 and info.value.exitcode == -signal.SIGABRT
+
+
+def test_startup_failure_raises_with_traceback_and_ends_every_process():
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(zbus.StartupError, match="start-up failure on rank 1") as info:
+        zbus.Executor(EchoWorker, nproc_per_node=2, worker_kwargs={"fail_rank": 1})
+    assert "Traceback" in str(info.value)
+    with pytest.raises(zbus.StartupError, match="zbus_module_that_does_not_exist"):
+        zbus.Executor(workers.BrokenImportWorker, nproc_per_node=1)
+    with pytest.raises(zbus.StartupError, match="not a zbus.Worker"):
+        zbus.Executor("workers:NotAWorker", nproc_per_node=1)
+    time.sleep(0.2)
+    assert {p.pid for p in psutil.Process().children()} <= before
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="valid: mp, inproc"):
+        zbus.Executor(EchoWorker, backend="threads")
+    with pytest.raises(TypeError, match="not a subclass of zbus.Executor"):
+        zbus.Executor(EchoWorker, backend="workers:EchoWorker")
+    with pytest.raises(TypeError, match="zbus.Worker"):
+        zbus.Executor(workers.NotAWorker)
+    with pytest.raises(ValueError, match="output_rank"):
+        zbus.Executor(EchoWorker, nproc_per_node=2, output_rank=2)
+
+
+def test_worker_class_in_driver_script_gets_a_clear_error():
+    proc = spawn_python(
+        "import zbus\n"
+        "class W(zbus.Worker):\n    pass\n"
+        "try:\n    zbus.Executor(W)\nexcept TypeError as e:\n    print(e)\n",
+        stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=60)
+    assert b"defined in the driver script" in out
+
+
+def test_custom_backend_by_import_path():
+    with zbus.Executor(EchoWorker, backend="workers:CustomExecutor") as ex:
+        assert isinstance(ex, workers.CustomExecutor)
+        assert ex.collective_rpc("rank_value", args=(1,)) == [10]
+        assert workers.CustomExecutor.calls >= 1
+
+
+def test_inproc_backend_same_api():
+    with zbus.Executor(EchoWorker, backend="inproc") as ex:
+        assert ex.world_size == 1
+        assert ex.collective_rpc("rank_value", args=(2,)) == [20]
+        assert ex.collective_rpc("rank_value", args=(2,), unique_reply_rank=0) == 20
+        fut = ex.collective_rpc("later", args=(5, 0.1), non_block=True)
+        assert fut.result(timeout=5) == [5]
+        with pytest.raises(zbus.RemoteError, match="ValueError: boom"):
+            ex.collective_rpc("boom")
+        with pytest.raises(zbus.ZbusError, match="refused"):
+            ex.collective_rpc("_private")
+        assert ex.collective_rpc("workers:add_rank", args=(1,)) == [1]
+
+
+def test_shutdown_is_idempotent_and_frees_everything():
+    before = zbus_segments()
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    assert len(zbus_segments() - before) == 3  # broadcast ring + one response queue each
+    procs = list(ex._workers.procs)
+    ex.shutdown()
+    ex.shutdown()
+    assert all(p.poll() == 0 for p in procs)  # asked to stop: clean exit
+    assert zbus_segments() == before
+    with pytest.raises(zbus.ZbusError, match="shut down"):
+        ex.collective_rpc("noop")
+
+
+def test_driver_sigkill_ends_workers_and_frees_shared_memory():
+    before = zbus_segments()
+    proc = spawn_python(
+        "import zbus, workers, time\n"
+        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
+        "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
+        "time.sleep(60)\n", stdout=subprocess.PIPE)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and len(zbus_segments() - before) == 3
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (
+                any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                    for p in pids) or zbus_segments() - before):
+            time.sleep(0.05)
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                       for p in pids)
+        assert zbus_segments() == before
+    finally:
+        end_process(proc)
+
+
+def test_torch_distributed_all_reduce_across_workers():
+    pytest.importorskip("torch")
+    with zbus.Executor(workers.DistWorker, nproc_per_node=2, startup_timeout=120) as ex:
+        assert ex.collective_rpc("all_reduce", args=(3,), timeout=60) == [6.0, 6.0]
+        ex.collective_rpc("close", timeout=30)
+
+
+def test_many_small_non_blocking_calls_do_not_deadlock_on_full_queues():
+    with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
+        futs = [ex.collective_rpc("rank_value", args=(i,), non_block=True, timeout=30)
+                for i in range(2000)]
+        assert futs[-1].result(timeout=60) == [19990, 19991]
+        assert [f.result() for f in futs[:3]] == [[0, 1], [10, 11], [20, 21]]
