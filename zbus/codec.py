@@ -270,8 +270,8 @@ class _Decoder:
             data = self.frame(data)
         elif type(data) is not bytes:
             raise CodecError("malformed bytes extension")
-        if kind is memoryview:
-            return memoryview(_writable(data))
+        if kind is memoryview:  # writable, like one decoded from its own frame
+            return memoryview(_writable(data) if type(data) is memoryview else bytearray(data))
         return kind(data)
 
     def _tensor(self, body: Any) -> Any:
