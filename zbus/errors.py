@@ -13,6 +13,15 @@ class CodecError(ZbusError):
     or an object that cannot be encoded."""
 
 
+class SendTimeout(TimeoutError):
+    """A send ran out of time. ``queued`` says whether the message was committed
+    anyway (it will still be delivered) or not sent at all."""
+
+    def __init__(self, message: str, queued: bool):
+        super().__init__(message)
+        self.queued = queued
+
+
 class RingClosed(ZbusError):
     """The ring was closed by its writer (after the last message) or aborted."""
 

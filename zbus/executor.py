@@ -23,7 +23,16 @@ import time
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .errors import ExecutorFailedError, RemoteError, RingClosed, WorkerDiedError, ZbusError
+from .cluster import ClusterSettings, Leader, resolve_ip, route_to
+from .errors import (
+    Cancelled,
+    ExecutorFailedError,
+    RemoteError,
+    RingClosed,
+    SendTimeout,
+    WorkerDiedError,
+    ZbusError,
+)
 from .queues import Broadcaster, ShmReceiver, deadline_of, remaining
 from .worker import Worker, import_object
 
@@ -68,7 +77,7 @@ class RpcFuture(concurrent.futures.Future):
             if status == protocol.OK:
                 values.append(value)
             elif status == protocol.REFUSED:
-                self.set_exception(ZbusError(getattr(value, "message", str(value))))
+                self.set_exception(ZbusError(f"rank {rank}: {getattr(value, 'message', value)}"))
                 return
             else:
                 self.set_exception(RemoteError(rank, value.type_name, value.message, value.traceback))
@@ -248,18 +257,13 @@ class InprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None) -> Any:
-        from .worker import resolve_method
+        from .worker import run_call
+
         self._check_call(method, unique_reply_rank)
         self._seq += 1
         fut = RpcFuture(self, self._seq, [0], unique_reply_rank is not None)
         self._futures[self._seq] = fut
-        try:
-            result, status = resolve_method(self._worker, method, self.allow_import_calls)(
-                *args, **(kwargs or {})), protocol.OK
-        except ZbusError as e:
-            result, status = e, protocol.REFUSED
-        except Exception as e:  # noqa: BLE001
-            result, status = e, protocol.RAISED
+        result, status = run_call(self._worker, method, args, kwargs, self.allow_import_calls)
         self._replies.send(self._seq, result, status)
         return fut if non_block else fut.result(timeout)
 
@@ -304,7 +308,7 @@ def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str,
     })
     env.setdefault("OMP_NUM_THREADS", "1")
     gpus = _visible_gpus()
-    if len(gpus) >= place["local_world_size"]:
+    if len(gpus) >= place["local_world_size"] and "CUDA_VISIBLE_DEVICES" not in extra:
         env["CUDA_VISIBLE_DEVICES"] = gpus[place["local_rank"]]
     # The worker imports the user's modules the way the driver does.
     paths = [p for p in (sys.path[0], env.get("PYTHONPATH", "")) if p]
@@ -407,23 +411,36 @@ class LocalWorkers:
 
 
 class MultiprocExecutor(Executor):
-    """Worker processes on this machine, fed by a shared-memory broadcast ring,
-    answering on one shared-memory response queue each."""
+    """Worker processes fed by a shared-memory broadcast ring, answering on one
+    shared-memory response queue each. With ``nnodes > 1`` this process is also
+    the cluster's leader: follower nodes (``zbus follower``) join over TCP, get
+    one copy of each RPC, and their ranks answer over ZeroMQ (see
+    :mod:`zbus.cluster`)."""
 
-    def __init__(self, worker: WorkerSpec, *, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, **kwargs: Any):
+    def __init__(self, worker: WorkerSpec, *, nnodes: int | None = None,
+                 nproc_per_node: int | None = None, master_addr: str | None = None,
+                 master_port: int | None = None, liveness_s: float | None = None,
+                 join_timeout: float = 300.0, **kwargs: Any):
         kwargs.pop("backend", None)
-        super().__init__(worker, **kwargs)
+        self.settings = ClusterSettings.resolve(nnodes, nproc_per_node, master_addr, master_port,
+                                                liveness_s)
+        super().__init__(worker, nproc_per_node=self.settings.nproc_per_node, **kwargs)
+        self.nnodes = self.settings.nnodes
+        self.world_size = self.nnodes * self.nproc_per_node
+        if not 0 <= self.output_rank < self.world_size:
+            raise ValueError(f"output_rank {self.output_rank} outside 0..{self.world_size - 1}")
         self.worker_path = _worker_path(worker)
-        self.master_addr = master_addr
-        self.master_port = master_port
+        self.master_addr = self.settings.master_addr
+        self.join_timeout = join_timeout
         self._seq = 0
         self._pending: collections.deque[RpcFuture] = collections.deque()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        self._failed = threading.Event()
         self._bcast: Broadcaster | None = None
+        self._leader: Leader | None = None
         self._resp_handles: list[ring.RingHandle] = []
-        self._receivers: list[ShmReceiver] = []
+        self._receivers: list[Any] = []
         self._workers: LocalWorkers | None = None
         try:
             self._start()
@@ -433,29 +450,50 @@ class MultiprocExecutor(Executor):
 
     def _start(self) -> None:
         shm.sweep_stale()
-        n = self.nproc_per_node
-        self._bcast = Broadcaster(n)
-        self._resp_handles = [ring.create(1) for _ in range(n)]
+        n, s = self.nproc_per_node, self.settings
+        if self.nnodes > 1:
+            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail)
+            self._bcast = self._leader.bcast
+            torch_port = reserve_port(self._leader.bind_ip)
+            ifname = route_to(self._leader.bind_ip)[1]
+        else:
+            self._bcast = Broadcaster(n)
+            torch_port = reserve_port(resolve_ip(self.master_addr))
+            ifname = None
+        for _ in range(n):  # one at a time: shutdown() removes those made before a failure
+            self._resp_handles.append(ring.create(1))
         self._receivers = [ShmReceiver(ring.RingReader.attach(h, 0)) for h in self._resp_handles]
         segments = [self._bcast.handle.name, *(h.name for h in self._resp_handles)]
-        places = [{"rank": r, "local_rank": r, "world_size": n, "local_world_size": n,
+        places = [{"rank": r, "local_rank": r, "world_size": self.world_size, "local_world_size": n,
                    "node_rank": 0} for r in range(n)]
         self._workers = LocalWorkers(
             places, self._bcast.handle.to_dict(), [h.to_dict() for h in self._resp_handles],
-            segments, self.master_addr, self.master_port or reserve_port(self.master_addr),
-            self.extra_env, self._worker_died)
-        deadline = deadline_of(self.startup_timeout)
+            segments, self.master_addr, torch_port, self._worker_env(ifname), self._worker_died)
         spec = {"worker": self.worker_path, "kwargs": self.worker_kwargs,
                 "allow_import": self.allow_import_calls}
+        deadline = deadline_of(self.startup_timeout)
         try:
             self._bcast.publish(spec, remaining(deadline, "worker start-up"))
-            for rank in range(n):
+            if self._leader is not None:
+                self._leader.admit(spec, torch_port, self.join_timeout)
+                self._receivers += [self._leader.receivers[r] for r in range(n, self.world_size)]
+                self._leader.start()
+                deadline = deadline_of(self.startup_timeout)
+            for rank in range(self.world_size):
                 self._await_ready(rank, deadline)
-        except TimeoutError:
+        except TimeoutError as e:
+            if self._leader is not None and len(self._leader.nodes) < self.nnodes - 1:
+                raise StartupError(str(e)) from None
             raise StartupError(f"workers not ready within {self.startup_timeout} s "
-                               f"(alive: {self._workers.alive()})") from None
+                               f"(local workers alive: {self._workers.alive()})") from None
         except RingClosed:
             raise StartupError(f"a worker died during start-up: {self._failure}") from None
+
+    def _worker_env(self, ifname: str | None) -> dict[str, str]:
+        env = dict(self.extra_env)
+        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env["GLOO_SOCKET_IFNAME"] = ifname  # gloo would otherwise use the host name's address
+        return env
 
     def _await_ready(self, rank: int, deadline: float | None) -> None:
         reply = self._receivers[rank].get(remaining(deadline, "worker start-up"))
@@ -468,11 +506,14 @@ class MultiprocExecutor(Executor):
         self._fail(WorkerDiedError(local_rank, exitcode))
 
     def _on_failure(self, error: ExecutorFailedError) -> None:
-        # Wake every blocked wait on our rings; they raise RingClosed -> the error.
+        # Wake every blocked wait; they raise RingClosed or Cancelled -> the error.
+        self._failed.set()
         if self._bcast is not None and self._bcast.ring is not None:
             self._bcast.ring.abort()
         for rx in self._receivers:
-            rx.ring.abort()
+            rx.abort()
+        if self._leader is not None:
+            self._leader.abort_receivers()
         for fut in list(self._pending):
             try:
                 fut.set_exception(error)
@@ -491,19 +532,30 @@ class MultiprocExecutor(Executor):
         if not self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline, method)):
             raise TimeoutError(f"collective_rpc({method!r}) timed out waiting to send")
         try:
+            payload = codec.encode((tuple(args), kwargs or {}))
             self._seq += 1
-            frames = codec.encode([protocol.CALL, self._seq, method, tuple(args), kwargs or {},
-                                   unique_reply_rank if unique else -1])
+            frames = [*codec.encode([protocol.CALL, self._seq, method,
+                                     unique_reply_rank if unique else -1, len(payload)]), *payload]
             fut = RpcFuture(self, self._seq, ranks, unique)
             self._pending.append(fut)
             try:
-                self._bcast.publish_frames(frames, remaining(deadline, method),
-                                           on_full=self._drain_ready)
-            except RingClosed:
+                self._publish(frames, deadline)
+            except SendTimeout as e:
+                if not e.queued:  # no rank will answer it
+                    self._pending.pop()
+                raise TimeoutError(f"collective_rpc({method!r}) timed out sending: {e}") from None
+            except (RingClosed, Cancelled):
                 raise self._failure or ZbusError("executor is shut down") from None
         finally:
             self._send_lock.release()
         return fut if non_block else fut.result(remaining(deadline, method))
+
+    def _publish(self, frames: list, deadline: float | None) -> None:
+        if self._leader is not None:
+            self._leader.publish(frames, deadline, self._drain_ready, self._failed)
+        else:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._bcast.ring.send(frames, left, self._failed, self._drain_ready)
 
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets
@@ -514,7 +566,7 @@ class MultiprocExecutor(Executor):
             while self._pending:
                 head = self._pending[0]
                 missing = [r for r in head.reply_ranks if r not in head.replies]
-                if missing and not self._receivers[missing[0]].ring.poll():
+                if missing and not self._receivers[missing[0]].poll():
                     return
                 try:  # the data is there: a short deadline only guards a torn read
                     self._complete_head(time.monotonic() + 0.05)
@@ -568,11 +620,13 @@ class MultiprocExecutor(Executor):
         if workers is not None:
             workers.stopping = True
             if self._failure is None and self._bcast is not None:
-                try:
-                    with self._send_lock:
-                        self._bcast.publish([protocol.STOP], timeout=1.0)
-                except (TimeoutError, RingClosed):
-                    pass
+                if self._send_lock.acquire(timeout=1.0):
+                    try:
+                        self._publish(codec.encode([protocol.STOP]), deadline_of(1.0))
+                    except (TimeoutError, RingClosed, Cancelled):
+                        pass
+                    finally:
+                        self._send_lock.release()
             workers.stop(grace=5.0 if self._failure is None else 0.5)
         error = ZbusError("executor is shut down")
         for fut in list(self._pending):
@@ -585,5 +639,7 @@ class MultiprocExecutor(Executor):
             rx.close()
         for h in self._resp_handles:
             shm.unlink(h.name)
-        if self._bcast is not None:
+        if self._leader is not None:
+            self._leader.close(say_bye=self._failure is None)
+        elif self._bcast is not None:
             self._bcast.close()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from . import codec
-from .errors import ZbusError
+from .errors import Cancelled, SendTimeout, ZbusError
 from .ring import RingHandle, RingReader, RingWriter
 
 ZERO_COPY_MIN = 64 * 1024  # smaller frames are copied: cheaper than tracking them
@@ -45,6 +45,8 @@ def remaining(deadline: float | None, what: str) -> float | None:
 def bind(sock: zmq.Socket, host: str, port: int = 0, port_range: tuple[int, int] | None = None) -> int:
     """Bind ``sock`` on ``host`` (never a wildcard unless asked) and return the
     port the kernel gave: port 0 or one from ``port_range``. No probe-then-bind."""
+    if ":" in host:  # an IPv6 address: ZeroMQ refuses it unless told
+        sock.setsockopt(zmq.IPV6, 1)
     if port:
         sock.bind(f"tcp://{_bracket(host)}:{port}")
         return port
@@ -59,9 +61,19 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str) -> None:
-    """Send a multipart message by ``deadline``; large frames without a copy, and
-    not returning while ZeroMQ still reads the caller's memory."""
+RELEASE_LIMIT_S = 60.0  # how long a sent buffer may stay in ZeroMQ's hands
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str,
+                cancel: Any = None) -> None:
+    """Send a multipart message; large frames go without a copy.
+
+    ``deadline`` bounds the wait for ZeroMQ to take the message (then
+    :class:`SendTimeout` with ``queued=False``: nothing was sent). Once taken, the
+    send does not return while ZeroMQ still reads the caller's memory, so the
+    caller may change it afterwards; that wait is bounded by a set ``cancel``
+    event and by RELEASE_LIMIT_S (then ``SendTimeout(queued=True)``).
+    """
     trackers = []
     last = len(frames) - 1
     for i, frame in enumerate(frames):
@@ -73,15 +85,24 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
                 break
             except zmq.Again:
                 # Only the first part can block: ZeroMQ queues the rest atomically.
-                left = remaining(deadline, what)
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(f"{what} cancelled") from None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise SendTimeout(f"{what} timed out", queued=False) from None
                 sock.poll(100 if left is None else max(1, int(min(left, 0.1) * 1000)), zmq.POLLOUT)
         if big:
             trackers.append(t)
+    limit = time.monotonic() + RELEASE_LIMIT_S
     for t in trackers:
         while not t.done:
-            left = remaining(deadline, what)
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"{what} cancelled")
+            if time.monotonic() > limit:
+                raise SendTimeout(f"{what}: the peer has not taken the message in "
+                                  f"{RELEASE_LIMIT_S} s", queued=True)
             try:
-                t.wait(0.1 if left is None else min(left, 0.1))
+                t.wait(0.1)
             except zmq.NotDone:
                 pass
 
@@ -89,7 +110,7 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
 def recv_frames(sock: zmq.Socket, deadline: float | None, what: str, cancel: Any = None) -> list[memoryview]:
     while not sock.poll(_poll_ms(deadline, what), zmq.POLLIN):
         if cancel is not None and cancel.is_set():
-            raise ZbusError(f"{what} cancelled")
+            raise Cancelled(f"{what} cancelled")
     return [f.buffer for f in sock.recv_multipart(copy=False)]
 
 
@@ -147,11 +168,12 @@ class Broadcaster:
         if self.ring is not None:
             self.ring.send(frames, remaining(deadline, "broadcast"), on_full=on_full)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the ring and the XPUB socket; ``linger_s`` lets queued messages out."""
         if self.ring is not None:
             self.ring.close()
         if self.xpub is not None:
-            self.xpub.close(linger=0)
+            self.xpub.close(linger=int(linger_s * 1000))
 
 
 class ShmSender:
@@ -176,6 +198,12 @@ class ShmReceiver:
     def get(self, timeout: float | None = None, cancel: Any = None) -> Any:
         return codec.decode(self.ring.recv(timeout, cancel))
 
+    def poll(self) -> bool:
+        return self.ring.poll()
+
+    def abort(self) -> None:
+        self.ring.abort()
+
     def close(self) -> None:
         self.ring.close()
 
@@ -187,6 +215,8 @@ class ZmqSender:
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if "[" in address:  # tcp://[v6 address]:port
+            self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.connect(address)
 
     def put(self, obj: Any, timeout: float | None = None) -> None:
@@ -195,8 +225,9 @@ class ZmqSender:
     def put_frames(self, frames: Sequence[Any], timeout: float | None = None) -> None:
         send_frames(self.sock, frames, deadline_of(timeout), "response send")
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_s: float = 1.0) -> None:
+        """Close, giving queued replies ``linger_s`` to leave."""
+        self.sock.close(linger=int(linger_s * 1000))
 
 
 class ZmqReceiver:

@@ -7,7 +7,9 @@ full ring behind: nothing is dropped or overwritten.
 
 Layout (little-endian; each independently written word on its own cache line)::
 
-    0              magic u64, n_readers u32, n_chunks u32, chunk_bytes u64
+    0              magic u64, n_readers u32, n_chunks u32, chunk_bytes u64,
+                   token u64 (random: names the doorbells, known only to processes
+                   that can open the segment)
     64             write_seq u64        chunks published so far (readers wait on it)
     128            writer_waiting u32, state u32
     192 + 64*r     read_seq[r] u64      chunks reader r has released (the writer waits on it)
@@ -36,6 +38,7 @@ each frame starting 64-byte aligned.
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from dataclasses import asdict, dataclass
@@ -43,14 +46,14 @@ from typing import Any, Callable, Sequence
 
 from . import shm
 from .config import RingGeometry, WaitPolicy
-from .errors import Cancelled, RingClosed
+from .errors import Cancelled, RingClosed, SendTimeout
 
 Buffer = Any  # bytes, bytearray, memoryview, or anything with the buffer protocol
 
 _MAGIC = int.from_bytes(b"ZBUSRNG1", "little")
 _OPEN, _CLOSED, _ABORTED = 0, 1, 2
 # u64 word indices
-_W_MAGIC, _W_CHUNK, _W_WSEQ = 0, 2, 8
+_W_MAGIC, _W_CHUNK, _W_TOKEN, _W_WSEQ = 0, 2, 3, 8
 # u32 word indices
 _I_NREADERS, _I_NCHUNKS, _I_WWAIT, _I_STATE = 2, 3, 32, 33
 _READER_BASE = 192
@@ -98,6 +101,7 @@ def create(n_readers: int, geometry: RingGeometry | None = None) -> RingHandle:
     q[_W_MAGIC] = _MAGIC
     i[_I_NREADERS], i[_I_NCHUNKS] = n_readers, geometry.n_chunks
     q[_W_CHUNK] = geometry.chunk_bytes
+    q[_W_TOKEN] = int.from_bytes(os.urandom(8), "little")
     q.release()
     i.release()
     seg.close()
@@ -117,8 +121,9 @@ class _Ring:
         self._data = _data_offset(self.n_readers)
         self._policy = policy or WaitPolicy.from_env()
         self.handle = RingHandle(seg.name, seg.size, self.n_readers, self.chunk_bytes, self.n_chunks)
-        self._writer_bell = shm.bell_address(f"{seg.name}/w")
-        self._reader_bells = [shm.bell_address(f"{seg.name}/r{r}") for r in range(self.n_readers)]
+        self._bell_prefix = f"zbus-{self._q[_W_TOKEN]:016x}/"
+        self._writer_bell = shm.bell_address(self._bell_prefix + "w")
+        self._reader_bells = [shm.bell_address(f"{self._bell_prefix}r{r}") for r in range(self.n_readers)]
         self._bell: shm.Doorbell | None = None
 
     @property
@@ -159,7 +164,7 @@ class _Ring:
         while now < yield_end:
             if ready():
                 return
-            time.sleep(0)
+            os.sched_yield()
             now = time.monotonic()
         i = self._i
         try:
@@ -170,7 +175,7 @@ class _Ring:
                 shm.fence()
                 if ready():
                     return
-                self._raise_if_aborted()
+                self._raise_if_aborted()  # only when nothing is left to read or write
                 if cancel is not None and cancel.is_set():
                     raise Cancelled(f"{what} cancelled")
                 wait = pol.slice_s
@@ -214,7 +219,7 @@ class RingWriter(_Ring):
         self._min_read = 0
         self._slowest = 0
         self._reader_flags = [(_reader_off(r) + 8) // 4 for r in range(self.n_readers)]
-        self._bell = shm.Doorbell(f"{seg.name}/w")
+        self._bell = shm.Doorbell(self._bell_prefix + "w", "the writer")
         self._buf = seg.buf
 
     def _refresh_min_read(self) -> int:
@@ -239,7 +244,8 @@ class RingWriter(_Ring):
         """Publish one message made of ``frames`` to every reader.
 
         Blocks while the ring is full, at most ``timeout`` seconds, then raises
-        :class:`TimeoutError`. A message cut short that way stays pending: it is
+        :class:`~zbus.errors.SendTimeout` (a TimeoutError; ``queued`` says whether
+        this message was started). A message cut short that way stays pending: it is
         finished (before anything else) by the next ``send`` or :meth:`flush`, so
         readers never see a torn message. ``on_full`` runs each time the writer is
         about to sleep on a full ring (the executor drains replies there). The
@@ -248,7 +254,10 @@ class RingWriter(_Ring):
         if self._i[_I_STATE] != _OPEN:
             raise RingClosed(f"ring {self.name} is closed")
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.flush(deadline, cancel, on_full)
+        try:
+            self.flush(deadline, cancel, on_full)
+        except TimeoutError as e:
+            raise SendTimeout(str(e), queued=False) from None
         views = [f if isinstance(f, memoryview) and f.format == "B" and f.ndim == 1
                  else memoryview(f).cast("B") for f in frames]
         offsets, total = _layout([v.nbytes for v in views])
@@ -263,7 +272,10 @@ class RingWriter(_Ring):
             at = off + view.nbytes
         pieces.reverse()  # popped from the end
         self._pending = (pieces, total)
-        self.flush(deadline, cancel, on_full)
+        try:
+            self.flush(deadline, cancel, on_full)
+        except TimeoutError as e:
+            raise SendTimeout(str(e), queued=True) from None
 
     def flush(self, deadline: float | None = None, cancel: Any = None,
               on_full: Callable[[], None] | None = None) -> None:
@@ -337,7 +349,7 @@ class RingReader(_Ring):
         self._pos = self._q[self._rseq_w]
         self._partial: tuple[bytearray, int] | None = None
         self._buf = seg.buf
-        self._bell = shm.Doorbell(f"{seg.name}/r{index}")
+        self._bell = shm.Doorbell(f"{self._bell_prefix}r{index}", f"reader {index}")
 
     def _has_data(self) -> bool:
         return self._q[_W_WSEQ] > self._pos
@@ -369,8 +381,8 @@ class RingReader(_Ring):
         """Receive the next message as a list of frames (views of one private buffer).
 
         On :class:`TimeoutError` in the middle of a long message, the part already
-        read is kept and the next ``recv`` carries on with it."""
-        self._raise_if_aborted()
+        read is kept and the next ``recv`` carries on with it. After an abort,
+        what was published before it can still be read; then RingClosed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         buf, cb = self._buf, self.chunk_bytes
         if self._partial is None:

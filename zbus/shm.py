@@ -1,21 +1,25 @@
 """POSIX shared-memory segments owned by a process, and the two primitives that
 make them a synchronisation medium: a full memory fence and a doorbell.
 
-Segments live in ``/dev/shm`` and are named ``zbus-<pid>-<starttime>-<n>``: the
-owner's pid and its start time (so a reused pid is not mistaken for the owner).
+Segments live in ``/dev/shm`` and are named ``zbus-<pidns>-<pid>-<starttime>-<n>``:
+the owner's pid namespace, pid and start time (so a reused pid, or a process of
+another container sharing /dev/shm, is not mistaken for the owner).
 :func:`sweep_stale` removes the segments whose owner is gone; every zbus process
 that creates segments calls it first, so a SIGKILLed owner never fills /dev/shm.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import mmap
 import os
+import platform
 import socket
 import struct
 import threading
+from typing import Callable
 
 from .errors import ShmSpaceError
 
@@ -37,19 +41,29 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(b")", 1)[1].split()[19].decode()
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").rsplit("[", 1)[1].rstrip("]")
+    except (OSError, IndexError):
+        return "0"
+
+
 def new_name() -> str:
     """A fresh segment name owned by this process."""
     pid = os.getpid()
-    return f"{PREFIX}{pid}-{_start_time(pid)}-{next(_counter)}"
+    return f"{PREFIX}{_pid_namespace()}-{pid}-{_start_time(pid)}-{next(_counter)}"
 
 
 def owner_alive(name: str) -> bool:
-    """Whether the process that created segment ``name`` still runs."""
+    """Whether the process that created segment ``name`` still runs. Segments of
+    another pid namespace count as alive: their owners cannot be seen from here."""
     try:
-        pid_s, start, _n = name[len(PREFIX):].split("-")
+        pidns, pid_s, start, _n = name[len(PREFIX):].split("-")
         pid = int(pid_s)
     except ValueError:
         return True  # not ours to judge
+    if pidns != _pid_namespace():
+        return True
     return _start_time(pid) == start
 
 
@@ -131,14 +145,48 @@ def check_free_space(size: int) -> None:
 
 
 # --- fence -------------------------------------------------------------------------
-# A lock acquire/release pair executes an atomic read-modify-write (lock cmpxchg on
-# x86-64, ldaxr/stlxr with barriers on ARM): a full fence, also for store->load order.
+# The ring's protocol needs a full barrier (store->load order included) between
+# plain loads and stores of shared memory. Python has none, so zbus maps the two
+# instructions of one: ``mfence; ret`` on x86-64, ``dmb ish; ret`` on AArch64, and
+# calls them through ctypes. A lock acquire/release pair is not enough on ARM
+# (acquire- and release-ordered atomics do not order an earlier store before a
+# later load), and is only used where no code is known or executable pages are
+# refused (then a warning says so).
+_FENCE_CODE = {
+    "x86_64": bytes.fromhex("0faef0c3"),  # mfence; ret
+    "amd64": bytes.fromhex("0faef0c3"),
+    "aarch64": bytes.fromhex("bf3b03d5c0035fd6"),  # dmb ish; ret
+    "arm64": bytes.fromhex("bf3b03d5c0035fd6"),
+}
+
+
+def _machine_fence() -> Callable[[], None] | None:
+    code = _FENCE_CODE.get(platform.machine().lower())
+    if code is None:
+        return None
+    try:
+        page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    except (OSError, ValueError):
+        return None
+    page.write(code)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    func = ctypes.CFUNCTYPE(None)(address)
+    func._zbus_page = page  # keep the page mapped as long as the function lives
+    return func
+
+
 _fence_lock = threading.Lock()
 
 
-def fence() -> None:
+def _lock_fence() -> None:
     _fence_lock.acquire()
     _fence_lock.release()
+
+
+fence: Callable[[], None] = _machine_fence() or _lock_fence
+if fence is _lock_fence:
+    log.warning("no machine fence on %s: using a lock as fence (full barrier on x86-64 only)",
+                platform.machine())
 
 
 # --- doorbell ----------------------------------------------------------------------
@@ -155,14 +203,15 @@ class Doorbell:
     that is several times faster than a futex wake (see docs/benchmarks.md).
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, role: str = "this end"):
         self.address = bell_address(name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self.sock.bind(self.address)
         except OSError as e:
             self.sock.close()
-            raise OSError(e.errno, f"doorbell {name} is taken: is this reader attached twice?") from e
+            raise OSError(e.errno, f"doorbell {name} is taken: is {role} of this ring "
+                                   "attached twice?") from e
         self._timeout_us = 0
 
     def wait(self, timeout: float) -> None:

@@ -21,7 +21,7 @@ import threading
 from typing import Any, Callable
 
 from . import protocol, shm
-from .errors import RingClosed, ZbusError
+from .errors import CodecError, RingClosed, ZbusError
 from .logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -125,28 +125,44 @@ class ReplyPipe:
                 self._queue.popleft()
 
 
-def serve(worker: Worker, recv: Callable[[], Any], put: Callable[[Any], None],
+def run_call(worker: Any, method: Any, args: Any, kwargs: Any, allow_import: bool) -> tuple[Any, int]:
+    """Run one call; return (result, status). Refusals (unknown or private names)
+    are REFUSED; anything the method raises is RAISED."""
+    try:
+        func = resolve_method(worker, method, allow_import)
+    except ZbusError as e:
+        return e, protocol.REFUSED
+    except Exception as e:  # noqa: BLE001 - an import path that fails to import
+        return e, protocol.RAISED
+    try:
+        return func(*args, **(kwargs or {})), protocol.OK
+    except Exception as e:  # noqa: BLE001 - reported; the worker keeps serving
+        return e, protocol.RAISED
+
+
+def serve(worker: Worker, recv: Callable[[], list], put: Callable[[Any], None],
           allow_import: bool) -> None:
-    """Serve calls until a STOP message or the ring closes."""
+    """Serve calls until a STOP message or the ring closes. A call's arguments are
+    decoded apart from its envelope, so a call whose arguments cannot be decoded
+    (an unregistered type, say) is answered with the error."""
+    from . import codec
+
     replies = ReplyPipe(put)
     while True:
         try:
-            msg = recv()
+            frames = recv()
         except RingClosed:
             return
-        kind = msg[0]
-        if kind == protocol.STOP:
+        envelope = codec.decode(frames[:1])
+        if envelope[0] == protocol.STOP:
             return
-        _, seq, method, args, kwargs, reply_rank = msg
+        _, seq, method, reply_rank, n_payload = envelope
         try:
-            func = resolve_method(worker, method, allow_import)
-        except Exception as e:  # noqa: BLE001
-            result, status = e, (protocol.REFUSED if isinstance(e, ZbusError) else protocol.RAISED)
+            args, kwargs = codec.decode(frames[1:1 + n_payload])
+        except CodecError as e:
+            result, status = ZbusError(f"cannot decode the arguments of {method!r}: {e}"), protocol.REFUSED
         else:
-            try:
-                result, status = func(*args, **(kwargs or {})), protocol.OK
-            except Exception as e:  # noqa: BLE001 - the worker keeps serving
-                result, status = e, protocol.RAISED
+            result, status = run_call(worker, method, args, kwargs, allow_import)
         if reply_rank < 0 or reply_rank == worker.rank:
             replies.send(seq, result, status)
 
@@ -167,17 +183,18 @@ def _watch_death_pipe(fd: int, segments: list[str]) -> None:
 
 def main() -> None:
     from . import codec
-    from .queues import ShmSender
+    from .queues import ShmSender, ZmqSender
     from .ring import RingReader
 
     place = json.loads(os.environ.pop("ZBUS_WORKER"))
-    setup_logging(f"rank {place['rank']}")
+    setup_logging(f"node {place['node_rank']} rank {place['rank']}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     death = threading.Thread(target=_watch_death_pipe, args=(place["death_fd"], place["segments"]),
                              name="zbus-death-pipe", daemon=True)
     death.start()
     bcast = RingReader.attach(place["bcast"], place["local_rank"])
-    out = ShmSender(place["resp"])
+    resp = place["resp"]  # local ranks: a ring handle; remote ranks: the leader's PULL address
+    out = ZmqSender(resp["push"]) if "push" in resp else ShmSender(resp)
     try:
         spec = codec.decode(bcast.recv())
         try:
@@ -186,8 +203,14 @@ def main() -> None:
             out.put([place["rank"], protocol.READY, protocol.RAISED, e])
             return
         out.put([place["rank"], protocol.READY, protocol.OK, {"pid": os.getpid()}])
-        put = lambda reply: out.put([place["rank"], *reply])  # noqa: E731
-        serve(worker, lambda: codec.decode(bcast.recv()), put, spec.get("allow_import", True))
+
+        def put(reply: list) -> None:
+            try:
+                out.put([place["rank"], *reply])
+            except CodecError as e:  # a result zbus cannot send: the caller gets why
+                out.put([place["rank"], reply[0], protocol.RAISED, e])
+
+        serve(worker, bcast.recv, put, spec.get("allow_import", True))
     finally:
         bcast.close()
         out.close()

@@ -1,0 +1,259 @@
+"""The follower node's agent (``zbus follower``): joins the leader, relays each RPC
+into this node's shared-memory ring, and supervises this node's workers.
+
+One thread owns both sockets (a SUB to the leader's XPUB, a PUSH to its PULL).
+RPC messages are relayed as the bytes they arrived as: the agent never decodes
+them. Workers answer the leader directly over their own PUSH sockets.
+
+Exit codes: 0 after the leader's ``bye``; 1 when the leader was lost (no heartbeat
+for the liveness limit) or this node was refused; 2 on a bad configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from . import codec, shm
+from .cluster import (
+    PROTOCOL_VERSION,
+    TOPIC_HEARTBEAT,
+    TOPIC_RPC,
+    ClusterSettings,
+    _bracket,
+    new_node_id,
+    node_topic,
+    resolve_ip,
+    route_to,
+)
+from .errors import Cancelled, CodecError, RingClosed, ZbusError
+from .executor import LocalWorkers
+from .queues import send_frames
+from .ring import RingWriter
+
+log = logging.getLogger(__name__)
+
+
+class LeaderLost(ZbusError):
+    """No heartbeat from the leader within the liveness limit."""
+
+
+class NodeAgent:
+    """Runs one follower node. ``run()`` returns the process exit code."""
+
+    def __init__(self, master_addr: str | None = None, master_port: int | None = None,
+                 nproc_per_node: int | None = None, node_rank: int | None = None,
+                 advertise_addr: str | None = None, join_timeout: float = 300.0,
+                 allow_import_calls: bool = False):
+        self.settings = ClusterSettings.resolve(None, nproc_per_node, master_addr, master_port)
+        env_rank = os.environ.get("ZBUS_NODE_RANK") or os.environ.get("LWS_WORKER_INDEX")
+        self.node_rank = node_rank if node_rank is not None else (int(env_rank) if env_rank else None)
+        self.advertise_addr = advertise_addr or os.environ.get("ZBUS_ADVERTISE_ADDR")
+        self.join_timeout = join_timeout
+        self.allow_import_calls = allow_import_calls
+        self.node_id = new_node_id()
+        self.ctx = zmq.Context()
+        self.sub: zmq.Socket | None = None
+        self.push: zmq.Socket | None = None
+        self.ring: RingWriter | None = None
+        self.workers: LocalWorkers | None = None
+        self._deaths: list[tuple[int, int | None]] = []
+        self._death_r, self._death_w = os.pipe()
+        self._last_leader = time.monotonic()
+        self._next_hb = 0.0
+        self.liveness_s = self.settings.liveness_s
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def run(self) -> int:
+        shm.sweep_stale()
+        try:
+            welcome = self._join()
+            self._start_workers(welcome)
+            return self._serve()
+        except LeaderLost as e:
+            log.error("%s: ending this node's workers", e)
+            return 1
+        except ZbusError as e:
+            log.error("%s", e)
+            return 1
+        finally:
+            self._close()
+
+    def _connect(self) -> str:
+        s = self.settings
+        deadline = time.monotonic() + self.join_timeout
+        while True:  # the leader's name may not resolve before its container starts
+            try:
+                master_ip = resolve_ip(s.master_addr)
+                break
+            except ZbusError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s; retrying", e)
+                time.sleep(1.0)
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.push = self.ctx.socket(zmq.PUSH)
+        for sock in (self.sub, self.push):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self.sub.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
+        self.push.setsockopt(zmq.SNDHWM, 1000)
+        # RPC and heartbeat topics first: once the leader sees our node topic, the
+        # earlier subscriptions on this same connection are in place too.
+        for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(self.node_id)):
+            self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(f"tcp://{_bracket(master_ip)}:{s.master_port}")
+        self.push.connect(f"tcp://{_bracket(master_ip)}:{s.master_port + 1}")
+        return master_ip
+
+    def _join(self) -> dict:
+        master_ip = self._connect()
+        address, ifname = route_to(master_ip)
+        self.ifname = ifname
+        info = {"version": PROTOCOL_VERSION, "nproc": self.settings.nproc_per_node,
+                "host": socket.gethostname(), "address": self.advertise_addr or address,
+                "node_rank": -1 if self.node_rank is None else self.node_rank, "pid": os.getpid()}
+        deadline = time.monotonic() + self.join_timeout
+        log.info("joining leader %s:%d as %s (%s via %s)", self.settings.master_addr,
+                 self.settings.master_port, info["host"], info["address"], ifname)
+        next_try, tries = 0.0, 0
+        while time.monotonic() < deadline:
+            if time.monotonic() >= next_try:
+                if tries:
+                    log.warning("waiting for the leader at %s:%d (%.0f s left)", self.settings.master_addr,
+                                self.settings.master_port, deadline - time.monotonic())
+                self._send(["join", self.node_id, info], timeout=1.0)
+                next_try, tries = time.monotonic() + 2.0, tries + 1
+            if not self.sub.poll(200, zmq.POLLIN):
+                continue
+            topic, msg = self._recv()
+            if topic == node_topic(self.node_id) and msg:
+                if msg[0] == "welcome" and isinstance(msg[1], dict):
+                    return msg[1]
+                if msg[0] == "reject":
+                    raise ZbusError(f"the leader refused this node: {msg[1]}")
+        raise ZbusError(f"no leader answered at {self.settings.master_addr}:{self.settings.master_port} "
+                        f"within {self.join_timeout} s")
+
+    def _start_workers(self, welcome: dict) -> None:
+        n = welcome["nproc_per_node"]
+        self.node_rank = welcome["node_rank"]
+        self.liveness_s = welcome["liveness_s"]
+        from .logs import setup_logging
+
+        setup_logging(f"node {self.node_rank}")
+        self.ring = RingWriter.create(n)
+        world = welcome["nnodes"] * n
+        places = [{"rank": self.node_rank * n + i, "local_rank": i, "world_size": world,
+                   "local_world_size": n, "node_rank": self.node_rank} for i in range(n)]
+        spec = dict(welcome["spec"], allow_import=self.allow_import_calls)
+        env = {} if not self.ifname or "GLOO_SOCKET_IFNAME" in os.environ else {
+            "GLOO_SOCKET_IFNAME": self.ifname}
+        self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
+                                    [{"push": welcome["reply_address"]}] * n, [self.ring.name],
+                                    welcome["master_addr"], welcome["torch_port"], env, self._on_death)
+        self.ring.send(codec.encode(spec), timeout=30)
+        self._last_leader = time.monotonic()
+        log.info("node %d: %d workers started (ranks %d..%d)", self.node_rank, n,
+                 places[0]["rank"], places[-1]["rank"])
+
+    def _serve(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self._death_r, zmq.POLLIN)
+        while True:
+            self._tick()
+            events = dict(poller.poll(int(max(0.0, self._next_hb - time.monotonic()) * 1000) + 1))
+            if self._death_r in events:
+                os.read(self._death_r, 64)
+                self._report_deaths()
+            if self.sub in events:
+                while self.sub.poll(0, zmq.POLLIN):
+                    frames = self.sub.recv_multipart(copy=False)
+                    topic = frames[0].bytes
+                    self._last_leader = time.monotonic()
+                    if topic == TOPIC_RPC:
+                        self._relay([f.buffer for f in frames[1:]])
+                    elif topic == TOPIC_HEARTBEAT:
+                        msg = self._decode(frames[1:])
+                        if msg == ["bye"]:
+                            log.info("leader said bye: stopping")
+                            self.workers.stop(grace=5.0)
+                            return 0
+
+    def _relay(self, frames: list) -> None:
+        try:
+            self.ring.send(frames, on_full=self._tick)
+        except (RingClosed, Cancelled) as e:
+            raise ZbusError(f"relay failed: {e}") from e
+
+    def _tick(self) -> None:
+        """Heartbeat the leader and check that it is alive; runs from the main loop
+        and while a relay waits for slow workers."""
+        now = time.monotonic()
+        if now - self._last_leader > self.liveness_s:
+            raise LeaderLost(f"leader {self.settings.master_addr} lost: no heartbeat for "
+                             f"{now - self._last_leader:.1f} s")
+        if now >= self._next_hb:
+            if self.node_rank is not None:
+                self._send(["hb", self.node_rank], timeout=0.1)
+            self._next_hb = now + max(0.05, self.liveness_s / 5)
+
+    def _on_death(self, local_rank: int, exitcode: int | None) -> None:  # monitor thread
+        self._deaths.append((local_rank, exitcode))
+        os.write(self._death_w, b"d")
+
+    def _report_deaths(self) -> None:
+        n = self.settings.nproc_per_node
+        while self._deaths:
+            local, code = self._deaths.pop(0)
+            log.error("worker rank %d exited (%s)", self.node_rank * n + local, code)
+            self._send(["died", self.node_rank, self.node_rank * n + local, code], timeout=1.0)
+
+    # --- plumbing ------------------------------------------------------------------
+
+    def _send(self, msg: Any, timeout: float) -> None:
+        try:
+            send_frames(self.push, codec.encode(msg), time.monotonic() + timeout, "send to leader")
+        except TimeoutError:
+            log.warning("leader not taking messages (%s not sent)", msg[0])
+
+    def _recv(self) -> tuple[bytes, Any]:
+        frames = self.sub.recv_multipart(copy=False)
+        return frames[0].bytes, self._decode(frames[1:])
+
+    def _decode(self, frames: list) -> Any:
+        try:
+            return codec.decode([f.buffer for f in frames])
+        except CodecError as e:
+            log.warning("dropped a malformed control message: %s", e)
+            return None
+
+    def _close(self) -> None:
+        if self.workers is not None:
+            if self.ring is not None:
+                self.ring.abort()  # workers blocked on the ring see it closed at once
+            self.workers.stop(grace=2.0)
+        if self.ring is not None:
+            self.ring.close()
+        for sock in (self.sub, self.push):
+            if sock is not None:
+                sock.close(linger=0)
+        self.ctx.term()
+        os.close(self._death_r)
+        os.close(self._death_w)
+
+
+def run_follower(**kwargs: Any) -> int:
+    return NodeAgent(**kwargs).run()
+
+
+__all__ = ["NodeAgent", "run_follower", "threading"]
