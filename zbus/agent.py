@@ -184,7 +184,9 @@ class NodeAgent:
                         self._relay([f.buffer for f in frames[1:]])
                     elif topic == TOPIC_HEARTBEAT:
                         msg = self._decode(frames[1:])
-                        if msg == ["bye"]:
+                        if msg == ["stopping"]:
+                            self.workers.stopping = True
+                        elif msg == ["bye"]:
                             log.info("leader said bye: stopping")
                             self.workers.stop(grace=5.0)
                             return 0

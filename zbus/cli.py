@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -10,6 +11,15 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(nproc_per_node=args.nproc_per_node, steps=args.steps)
+
+
+def _follower(args: argparse.Namespace) -> int:
+    from .agent import NodeAgent
+
+    return NodeAgent(master_addr=args.master_addr, master_port=args.master_port,
+                     nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
+                     advertise_addr=args.advertise_addr, join_timeout=args.join_timeout,
+                     allow_import_calls=args.allow_import_calls).run()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +32,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nproc-per-node", type=int, default=2, help="workers (default 2)")
     demo.add_argument("--steps", type=int, default=200, help="decode-like steps (default 200)")
     demo.set_defaults(func=_demo)
+
+    fol = sub.add_parser("follower", help="run this host as a follower node of a cluster", description=(
+        "Join the leader at --master-addr, start this node's workers, relay every RPC "
+        "into this node's shared memory, and exit when the leader says bye (0) or is "
+        "lost (1). Every flag also reads ZBUS_<FLAG> (e.g. ZBUS_MASTER_ADDR), and "
+        "Kubernetes LeaderWorkerSet's LWS_LEADER_ADDRESS and LWS_WORKER_INDEX."))
+    fol.add_argument("--master-addr", default=None, help="the leader's host name or address "
+                     "(ZBUS_MASTER_ADDR, LWS_LEADER_ADDRESS)")
+    fol.add_argument("--master-port", type=int, default=None,
+                     help="the leader's first port; it also uses the next one (ZBUS_MASTER_PORT, "
+                     "default 29650)")
+    fol.add_argument("--nproc-per-node", type=int, default=None,
+                     help="workers on this node (ZBUS_NPROC_PER_NODE, default 1)")
+    fol.add_argument("--node-rank", type=int, default=None,
+                     help="this node's rank, 1..nnodes-1 (ZBUS_NODE_RANK, LWS_WORKER_INDEX; "
+                     "default: given in join order)")
+    fol.add_argument("--advertise-addr", default=None,
+                     help="the address to report (default: the one that routes to the leader)")
+    fol.add_argument("--join-timeout", type=float, default=300.0,
+                     help="seconds to wait for the leader (default 300)")
+    fol.add_argument("--allow-import-calls", action="store_true",
+                     default=os.environ.get("ZBUS_ALLOW_IMPORT_CALLS") == "1",
+                     help="let the leader call functions by import path 'pkg.mod:func' on this "
+                     "node (ZBUS_ALLOW_IMPORT_CALLS=1); off by default")
+    fol.set_defaults(func=_follower)
     return parser
 
 
@@ -30,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging("cli", args.log_level)
+    setup_logging(args.command or "cli", args.log_level)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -373,22 +373,35 @@ class Leader:
                     node.node_rank, node.host, f"no heartbeat for {now - node.last_seen:.1f} s"))
                 return
 
+    def publish_remote(self, frames: list, deadline: float | None) -> None:
+        """Send to the nodes only (the local ring may be aborted after a failure)."""
+        if self.xpub_lock.acquire(timeout=max(0.0, deadline - time.monotonic()) if deadline else -1):
+            try:
+                send_frames(self.bcast.xpub, [TOPIC_RPC, *frames], deadline, "broadcast to nodes")
+            finally:
+                self.xpub_lock.release()
+
+    def announce_stop(self) -> None:
+        """Tell the agents that their workers are about to be stopped, so they do
+        not report the exits as failures."""
+        self._send(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
+
     def abort_receivers(self) -> None:
         for r in self.receivers.values():
             r.abort()
 
-    def close(self, say_bye: bool) -> None:
+    def close(self) -> None:
+        """Say bye to the nodes (best effort, bounded) and close everything."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        if say_bye:
-            try:
-                self._send(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
-            except zmq.ZMQError:
-                pass
+        try:
+            bye = self._send(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
+        except zmq.ZMQError:
+            bye = False
         self.abort_receivers()
         self.pull.close(linger=0)
-        self.bcast.close(linger_s=1.0 if say_bye else 0.0)
+        self.bcast.close(linger_s=1.0 if bye else 0.0)
         self.ctx.term()
 
 

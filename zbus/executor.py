@@ -196,7 +196,7 @@ class Executor:
     def _fail(self, error: ExecutorFailedError) -> None:
         """Mark the executor failed (first error wins) and run the callbacks."""
         with self._state_lock:
-            if self._failure is not None:
+            if self._failure is not None or self._closed:  # exits are expected once closing
                 return
             self._failure = error
             callbacks, self._callbacks = self._callbacks, []
@@ -619,14 +619,19 @@ class MultiprocExecutor(Executor):
         workers = self._workers
         if workers is not None:
             workers.stopping = True
-            if self._failure is None and self._bcast is not None:
-                if self._send_lock.acquire(timeout=1.0):
-                    try:
-                        self._publish(codec.encode([protocol.STOP]), deadline_of(1.0))
-                    except (TimeoutError, RingClosed, Cancelled):
-                        pass
-                    finally:
-                        self._send_lock.release()
+            if self._leader is not None:  # the nodes still reachable stop cleanly too
+                self._leader.announce_stop()
+            if self._send_lock.acquire(timeout=1.0):
+                try:
+                    stop = codec.encode([protocol.STOP])
+                    if self._failure is None:
+                        self._publish(stop, deadline_of(1.0))
+                    elif self._leader is not None:
+                        self._leader.publish_remote(stop, deadline_of(1.0))
+                except (TimeoutError, RingClosed, Cancelled):
+                    pass
+                finally:
+                    self._send_lock.release()
             workers.stop(grace=5.0 if self._failure is None else 0.5)
         error = ZbusError("executor is shut down")
         for fut in list(self._pending):
@@ -640,6 +645,6 @@ class MultiprocExecutor(Executor):
         for h in self._resp_handles:
             shm.unlink(h.name)
         if self._leader is not None:
-            self._leader.close(say_bye=self._failure is None)
+            self._leader.close()
         elif self._bcast is not None:
             self._bcast.close()

@@ -177,7 +177,7 @@ def _watch_death_pipe(fd: int, segments: list[str]) -> None:
         pass
     for name in segments:
         shm.unlink(name)
-    log.error("driver process is gone: exiting")
+    log.error("parent process (driver or node agent) is gone: exiting")
     os._exit(3)
 
 

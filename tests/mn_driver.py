@@ -1,0 +1,82 @@
+"""The leader side of the multi-node tests; run inside the leader's namespace as
+``python mn_driver.py SCENARIO``. Prints JSON lines the test reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import psutil
+import workers
+
+import zbus
+
+PORT = 29650
+
+
+def out(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def executor(worker=workers.EchoWorker, **kw) -> zbus.Executor:
+    return zbus.Executor(worker, nnodes=3, nproc_per_node=2, master_addr="leader", master_port=PORT,
+                         liveness_s=3.0, join_timeout=60, startup_timeout=120, **kw)
+
+
+def basic() -> None:
+    with executor() as ex:
+        infos = ex.collective_rpc("whoami", timeout=30)
+        out(world_size=ex.world_size, values=ex.collective_rpc("rank_value", args=(4,), timeout=30),
+            ranks=[i["env"]["RANK"] for i in infos], master=[i["env"]["MASTER_ADDR"] for i in infos],
+            unique=ex.collective_rpc("rank_value", args=(1,), unique_reply_rank=5, timeout=30))
+
+
+def dist() -> None:
+    with executor(workers.DistWorker) as ex:
+        out(sums=ex.collective_rpc("all_reduce", args=(1,), timeout=60))
+        ex.collective_rpc("close", timeout=30)
+
+
+def relay() -> None:
+    payload, n = b"x" * (4 * 2**20), 5
+    with executor() as ex:
+        ex.collective_rpc("noop", timeout=30)
+        before = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent
+        for _ in range(n):
+            ex.collective_rpc("tensor_len", args=(b"x",), unique_reply_rank=0, timeout=30)
+        small = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent - before
+        before = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent
+        for _ in range(n):
+            ex.collective_rpc("tensor_len", args=(payload,), unique_reply_rank=0, timeout=30)
+        sent = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent - before
+        out(per_broadcast=sent / n, small_per_broadcast=small / n, payload=len(payload))
+
+
+def lost() -> None:
+    with executor() as ex:
+        ex.collective_rpc("noop", timeout=30)
+        pending = ex.collective_rpc("sleep", args=(60,), non_block=True)
+        out(ready=True)
+        try:
+            pending.result(timeout=60)
+            out(error=None)
+        except zbus.ZbusError as e:
+            later = time.monotonic()
+            try:
+                ex.collective_rpc("noop", timeout=5)
+            except zbus.ZbusError as e2:
+                fast = time.monotonic() - later < 0.5 and type(e2) is type(e)
+            out(error=type(e).__name__, node_rank=getattr(e, "node_rank", None),
+                host=getattr(e, "host", None), message=str(e), later_fails_at_once=fast)
+
+
+def hold() -> None:
+    with executor() as ex:
+        ex.collective_rpc("noop", timeout=30)
+        out(ready=True)
+        time.sleep(120)
+
+
+if __name__ == "__main__":
+    {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold}[sys.argv[1]]()

@@ -1,0 +1,148 @@
+"""Multi-node clusters for real: three nodes in network namespaces, each with its
+own address, /dev/shm and host name; the followers run ``zbus follower`` as the
+compose file does. Skipped, with the reason, where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from netns import NetnsCluster, unavailable
+
+REASON = unavailable()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no namespaces: {REASON}")]
+
+LIVENESS = 3.0
+FOLLOWER_ENV = {"ZBUS_MASTER_ADDR": "leader", "ZBUS_MASTER_PORT": "29650", "ZBUS_NPROC_PER_NODE": "2",
+                "ZBUS_LOG_LEVEL": "INFO"}
+
+
+def zbus_command() -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "zbus")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "zbus.cli"]
+
+
+@pytest.fixture
+def cluster():
+    with NetnsCluster(3) as c:
+        yield c
+
+
+def start_followers(c: NetnsCluster, ranked: bool = True) -> list:
+    """``zbus follower`` on nodes 1 and 2, with ZBUS_NODE_RANK set as the compose
+    file sets it, or (``ranked=False``) given in join order by the leader."""
+    return [node.start([*zbus_command(), "follower"],
+                       env=dict(FOLLOWER_ENV, **({"ZBUS_NODE_RANK": str(node.index)} if ranked else {})))
+            for node in c.nodes[1:]]
+
+
+def driver(c: NetnsCluster, scenario: str):
+    return c.nodes[0].python(os.path.join(os.path.dirname(__file__), "mn_driver.py"), scenario,
+                             stdout=subprocess.PIPE, text=True)
+
+
+def read_json(proc, timeout: float = 120) -> dict:
+    """The driver's next JSON line, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"driver ended ({proc.wait(10)}) without output")
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError("driver gave no output in time")
+
+
+def wait_exit(procs, timeout: float) -> list[int | None]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 - psutil.TimeoutExpired
+            codes.append(None)
+    return codes
+
+
+def test_three_nodes_results_ranks_and_clean_exit(cluster):
+    followers = start_followers(cluster, ranked=False)
+    proc = driver(cluster, "basic")
+    result = read_json(proc)
+    assert result["world_size"] == 6
+    assert result["values"] == [40, 41, 42, 43, 44, 45]
+    assert result["ranks"] == ["0", "1", "2", "3", "4", "5"]
+    assert set(result["master"]) == {"leader"}
+    assert result["unique"] == 15
+    assert wait_exit([proc, *followers], 30) == [0, 0, 0]
+    for node in cluster.nodes:
+        assert node.shm_segments() == []
+        assert node.pids() == []
+
+
+def test_torch_distributed_all_reduce_spans_the_nodes(cluster):
+    pytest.importorskip("torch")
+    followers = start_followers(cluster)
+    proc = driver(cluster, "dist")
+    assert read_json(proc, timeout=240)["sums"] == [6.0] * 6
+    assert wait_exit([proc, *followers], 60) == [0, 0, 0]
+
+
+def test_relay_sends_one_copy_per_follower_node(cluster):
+    followers = start_followers(cluster)
+    proc = driver(cluster, "relay")
+    r = read_json(proc, timeout=180)
+    extra = r["per_broadcast"] - r["small_per_broadcast"]
+    # Two follower nodes with two workers each: the relay sends 2 copies, not 4.
+    assert 1.9 * r["payload"] < extra < 2.3 * r["payload"], r
+    print(f"leader egress per 4 MiB broadcast to 2 nodes x 2 workers: {extra / r['payload']:.3f} payloads")
+    assert wait_exit([proc, *followers], 30) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("fault", ["sigkill_agent", "cut_link"])
+def test_lost_node_raises_node_lost_within_the_limit(cluster, fault):
+    followers = start_followers(cluster)
+    proc = driver(cluster, "lost")
+    assert read_json(proc)["ready"]
+    t0 = time.monotonic()
+    if fault == "sigkill_agent":
+        followers[1].send_signal(signal.SIGKILL)  # node 2's agent
+    else:
+        cluster.nodes[2].link(up=False)
+    r = read_json(proc, timeout=30)
+    elapsed = time.monotonic() - t0
+    print(f"{fault}: NodeLostError after {elapsed:.2f} s (limit {LIVENESS} s)")
+    assert r["error"] == "NodeLostError" and r["node_rank"] == 2 and r["host"] == "node2", r
+    assert r["later_fails_at_once"]
+    assert elapsed < LIVENESS * 1.5 + 1
+    # The cut-off node, left alone, ends its workers and its shared memory itself.
+    assert wait_exit([proc, followers[0]], 30) == [0, 0]
+    assert wait_exit([followers[1]], LIVENESS * 2 + 5)[0] in (1, -signal.SIGKILL)
+    for node in cluster.nodes:
+        deadline = time.monotonic() + 10
+        while (node.pids() or node.shm_segments()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert node.pids() == [] and node.shm_segments() == [], node.name
+
+
+def test_leader_sigkill_leaves_no_process_and_no_shared_memory(cluster):
+    followers = start_followers(cluster)
+    proc = driver(cluster, "hold")
+    assert read_json(proc)["ready"]
+    assert all(len(n.pids()) == 3 for n in cluster.nodes[1:])  # agent + 2 workers
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGKILL)
+    codes = wait_exit(followers, LIVENESS * 2 + 5)
+    assert codes == [1, 1]
+    deadline = time.monotonic() + 5
+    while any(n.pids() or n.shm_segments() for n in cluster.nodes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    elapsed = time.monotonic() - t0
+    print(f"leader SIGKILL: every node clean after {elapsed:.2f} s (limit {LIVENESS} s)")
+    for node in cluster.nodes:
+        assert node.pids() == [] and node.shm_segments() == [], node.name
+    assert elapsed < LIVENESS * 2 + 2
