@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from .cluster import (
     node_topic,
     resolve_ip,
     route_to,
+    touch_health,
 )
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .executor import LocalWorkers
@@ -207,6 +207,7 @@ class NodeAgent:
         if now >= self._next_hb:
             if self.node_rank is not None:
                 self._send(["hb", self.node_rank], timeout=0.1)
+                touch_health()
             self._next_hb = now + max(0.05, self.liveness_s / 5)
 
     def _on_death(self, local_rank: int, exitcode: int | None) -> None:  # monitor thread
@@ -257,5 +258,3 @@ class NodeAgent:
 def run_follower(**kwargs: Any) -> int:
     return NodeAgent(**kwargs).run()
 
-
-__all__ = ["NodeAgent", "run_follower", "threading"]

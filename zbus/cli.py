@@ -10,7 +10,8 @@ import sys
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(nproc_per_node=args.nproc_per_node, steps=args.steps)
+    return run_demo(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
+                    master_addr=args.master_addr, master_port=args.master_port, steps=args.steps)
 
 
 def _follower(args: argparse.Namespace) -> int:
@@ -28,8 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: "
                         "$ZBUS_LOG_LEVEL or WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="run a small tensor-parallel model on a local cluster")
-    demo.add_argument("--nproc-per-node", type=int, default=2, help="workers (default 2)")
+    demo = sub.add_parser("demo", help="run a tensor-parallel model on a cluster", description=(
+        "With no --nnodes: start a whole cluster here (this process leads, two follower "
+        "node agents join it over TCP on loopback), run a sharded transformer block step "
+        "by step, check it against a single-process reference, and shut down. With "
+        "--nnodes N: lead a cluster whose N-1 followers run 'zbus follower' elsewhere."))
+    demo.add_argument("--nnodes", type=int, default=None,
+                      help="lead a cluster of N nodes whose followers run elsewhere")
+    demo.add_argument("--nproc-per-node", type=int, default=2, help="workers per node (default 2)")
+    demo.add_argument("--master-addr", default=None,
+                      help="this leader's address, which followers dial (ZBUS_MASTER_ADDR)")
+    demo.add_argument("--master-port", type=int, default=None,
+                      help="first of the leader's two ports (ZBUS_MASTER_PORT, default 29650)")
     demo.add_argument("--steps", type=int, default=200, help="decode-like steps (default 200)")
     demo.set_defaults(func=_demo)
 

@@ -82,6 +82,18 @@ class ClusterSettings:
         return max(0.05, self.liveness_s / 5)
 
 
+def touch_health() -> None:
+    """Mark this node healthy: ``ZBUS_HEALTH_FILE``, when set, gets a fresh mtime at
+    every heartbeat (container health checks read it; see nodes/healthy.sh)."""
+    path = os.environ.get("ZBUS_HEALTH_FILE")
+    if path:
+        try:
+            with open(path, "a"):
+                os.utime(path)
+        except OSError as e:
+            log.warning("cannot touch health file %s: %s", path, e)
+
+
 def port_range() -> tuple[int, int] | None:
     """``ZBUS_PORT_RANGE="lo-hi"``: where zbus binds ports it picks itself."""
     text = os.environ.get("ZBUS_PORT_RANGE")
@@ -333,6 +345,7 @@ class Leader:
                         log.warning("heartbeat not sent: a node is not taking messages")
                     next_hb = time.monotonic() + s.heartbeat_s
                     self._check_liveness(time.monotonic())
+                    touch_health()
                 if self.pull.poll(int(max(0.0, next_hb - time.monotonic()) * 1000) + 1, zmq.POLLIN):
                     while self.pull.poll(0, zmq.POLLIN):
                         self._dispatch(self._recv_control())

@@ -1,4 +1,5 @@
-"""``zbus demo``: a tensor-parallel transformer block driven step by step.
+"""``zbus demo``: a tensor-parallel transformer block on a real cluster, driven
+step by step.
 
 Each worker holds a shard of a small transformer block (attention heads and the
 MLP's hidden units split across ranks, Megatron style); partial outputs are summed
@@ -9,6 +10,7 @@ same block computed whole in one process.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -16,7 +18,7 @@ from typing import Any
 
 from .worker import Worker
 
-DIM, HEADS, HIDDEN, SEQ = 64, 8, 256, 16
+DIM, HEADS, HIDDEN, SEQ = 96, 12, 384, 16  # 12 heads: shardable over 1, 2, 3, 4, 6 or 12 ranks
 
 
 def _full_weights(seed: int) -> dict[str, Any]:
@@ -59,6 +61,9 @@ class TransformerShardWorker(Worker):
                   "wo": rows(full["wo"]), "w1": cols(full["w1"]), "w2": rows(full["w2"])}
         self.heads = HEADS // n
 
+    def ping(self) -> None:
+        return None
+
     def step(self, x: Any) -> Any:
         import torch.distributed as dist
 
@@ -74,37 +79,118 @@ class TransformerShardWorker(Worker):
         dist.destroy_process_group()
 
 
-def run_demo(nproc_per_node: int = 2, steps: int = 200, out: Any = sys.stdout) -> int:
+def _free_port_pair(host: str) -> int:
+    """A port p with p and p + 1 free on ``host`` (for the local demo's leader)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind((host, port + 1))
+            except OSError:
+                continue
+            return port
+    raise OSError("no two consecutive free ports")
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; plain lines elsewhere."""
+
+    def __init__(self, out: Any, label: str, total: int):
+        self.out, self.label, self.total = out, label, total
+        self.tty = getattr(out, "isatty", lambda: False)()
+        self.last = -1
+
+    def update(self, done: int, note: str = "") -> None:
+        if self.tty:
+            width = 30
+            fill = int(width * done / max(1, self.total))
+            print(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} {note}",
+                  end="", file=self.out, flush=True)
+            if done >= self.total:
+                print(file=self.out)
+        elif done * 10 // max(1, self.total) != self.last:
+            self.last = done * 10 // max(1, self.total)
+            print(f"{self.label}: {done}/{self.total} {note}", file=self.out, flush=True)
+
+
+def _start_local_followers(nnodes: int, nproc: int, port: int) -> list[Any]:
+    import subprocess
+
+    env = dict(os.environ, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
+               ZBUS_NPROC_PER_NODE=str(nproc))
+    return [subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(r)],
+                             env=env, stdin=subprocess.DEVNULL) for r in range(1, nnodes)]
+
+
+def run_demo(nnodes: int | None = None, nproc_per_node: int = 2, master_addr: str | None = None,
+             master_port: int | None = None, steps: int = 200, out: Any = sys.stdout) -> int:
+    """Run the demo. With no ``nnodes``, a whole cluster on this machine: this
+    process leads, and two ``zbus follower`` processes join it over TCP on
+    loopback. With ``nnodes``, lead a cluster whose followers run elsewhere."""
     import torch
 
     from .executor import Executor
 
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
-    say(f"zbus demo: {nproc_per_node} workers, transformer block dim {DIM}, {HEADS} heads")
+    local = nnodes is None
+    followers: list[Any] = []
+    if local:
+        nnodes, master_addr = 3, "127.0.0.1"
+        master_port = _free_port_pair(master_addr)
+        followers = _start_local_followers(nnodes, nproc_per_node, master_port)
+    say(f"zbus demo: {nnodes} nodes x {nproc_per_node} workers, a transformer block "
+        f"(dim {DIM}, {HEADS} heads) sharded over {nnodes * nproc_per_node} ranks")
     t0 = time.perf_counter()
-    with Executor(TransformerShardWorker, nproc_per_node=nproc_per_node) as ex:
-        say(f"cluster ready in {time.perf_counter() - t0:.2f} s")
-        full = _full_weights(0)
-        x = torch.randn(SEQ, DIM, generator=torch.Generator().manual_seed(1))
-        ref = x.clone()
-        lat, moved = [], 0
-        start = time.perf_counter()
-        for i in range(steps):
-            t = time.perf_counter()
-            x = ex.collective_rpc("step", args=(x,), unique_reply_rank=ex.output_rank, timeout=30)
-            lat.append(time.perf_counter() - t)
-            moved += 2 * x.numel() * x.element_size()
-            ref = block(ref, full, HEADS)
-            if (i + 1) % max(1, steps // 10) == 0:
-                say(f"  step {i + 1}/{steps}")
-        wall = time.perf_counter() - start
-        ex.collective_rpc("close", timeout=30)
+    try:
+        with Executor(TransformerShardWorker, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                      master_addr=master_addr, master_port=master_port) as ex:
+            say(f"cluster of {ex.world_size} ranks ready in {time.perf_counter() - t0:.2f} s")
+            ok = _drive(ex, steps, say, _Progress(out, "steps", steps), torch)
+        for f in followers:
+            f.wait(30)
+        return 0 if ok else 1
+    finally:
+        for f in followers:
+            if f.poll() is None:
+                f.kill()
+                f.wait()
+
+
+def _drive(ex: Any, steps: int, say: Any, progress: _Progress, torch: Any) -> bool:
+    full = _full_weights(0)
+    x = torch.randn(SEQ, DIM, generator=torch.Generator().manual_seed(1))
+    ref = x.clone()
+    lat, moved = [], 0
+    start = time.perf_counter()
+    for i in range(steps):
+        t = time.perf_counter()
+        x = ex.collective_rpc("step", args=(x,), unique_reply_rank=ex.output_rank, timeout=60)
+        lat.append(time.perf_counter() - t)
+        moved += 2 * x.numel() * x.element_size()
+        ref = block(ref, full, HEADS)
+        progress.update(i + 1)
+    wall = time.perf_counter() - start
+    noop = []
+    for _ in range(200):
+        t = time.perf_counter()
+        ex.collective_rpc("ping", timeout=30)
+        noop.append(time.perf_counter() - t)
+    ex.collective_rpc("close", timeout=30)
     err = (x - ref).abs().max().item()
     lat.sort()
-    say(f"steps/s           {steps / wall:10.1f}")
-    say(f"step median       {statistics.median(lat) * 1e6:10.0f} us")
-    say(f"step p99          {lat[int(0.99 * (len(lat) - 1))] * 1e6:10.0f} us")
-    say(f"bytes moved       {moved:10d}")
+    noop.sort()
     ok = err < 1e-3
-    say(f"matches reference {'yes' if ok else 'NO'} (max abs error {err:.2e})")
-    return 0 if ok else 1
+    say(f"{'steps/s':<28}{steps / wall:12.1f}")
+    say(f"{'step median / p99':<28}{statistics.median(lat) * 1e6:9.0f} us / {_p99(lat) * 1e6:.0f} us")
+    say(f"{'collective_rpc no-op median':<28}{statistics.median(noop) * 1e6:9.0f} us "
+        f"(p99 {_p99(noop) * 1e6:.0f} us, all {ex.world_size} ranks reply)")
+    say(f"{'activations moved':<28}{moved / 2**20:9.2f} MiB")
+    say(f"{'matches the reference':<28}{'yes' if ok else 'NO':>12} (max abs error {err:.1e})")
+    return ok
+
+
+def _p99(sorted_values: list[float]) -> float:
+    return sorted_values[int(0.99 * (len(sorted_values) - 1))]
