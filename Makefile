@@ -7,14 +7,16 @@ PY := $(VENV)/bin/python
 # torch is pinned to the CPU build the project is tested with; it is installed
 # first so nothing later resolves a (much larger) CUDA build.
 TORCH := torch==2.13.0
+# Machines of this project keep the CPU wheel of that torch in /opt/wheels.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
 .PHONY: demo test lint bench venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q $(FIND_LINKS) $(TORCH)
+	$(PY) -m pip install -q $(FIND_LINKS) -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed

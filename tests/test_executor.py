@@ -268,3 +268,13 @@ def test_many_small_non_blocking_calls_do_not_deadlock_on_full_queues():
                 for i in range(2000)]
         assert futs[-1].result(timeout=60) == [19990, 19991]
         assert [f.result() for f in futs[:3]] == [[0, 1], [10, 11], [20, 21]]
+
+
+def test_tensor_parallel_example_runs():
+    pytest.importorskip("torch")
+    example = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "tensor_parallel.py")
+    proc = spawn_python(f"import runpy, sys; sys.argv = ['{example}', '--steps', '3']; "
+                        f"sys.path.insert(0, '{os.path.dirname(example)}'); "
+                        f"runpy.run_path('{example}', run_name='__main__')", stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.count(b"matches the single-process reference") == 3
