@@ -13,6 +13,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 SHM = "/dev/shm"
+# This checkout and tests/ (worker classes live in tests/workers.py).
+TEST_PATH = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             os.path.dirname(os.path.abspath(__file__))])
 
 
 def zbus_segments() -> set[str]:
@@ -40,8 +43,7 @@ def no_leftovers():
 
 def spawn_python(code: str, *args: str, **kwargs) -> psutil.Popen:
     """Start ``python -c code args`` with this checkout importable."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                                       os.path.dirname(__file__)]))
+    env = dict(os.environ, PYTHONPATH=TEST_PATH)
     env.update(kwargs.pop("env", {}))
     return psutil.Popen([sys.executable, "-c", code, *args], env=env, **kwargs)
 

@@ -12,7 +12,9 @@ import time
 
 import compose
 import pytest
-from netns import NetnsCluster, unavailable
+from conftest import TEST_PATH
+
+from zbus.netns import NetnsCluster, unavailable
 
 REASON = unavailable()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no namespaces: {REASON}")]
@@ -34,13 +36,13 @@ def start_followers(c: NetnsCluster, ranked: bool = True) -> list:
         argv, env = compose.service(node.name)
         if not ranked:
             del env["ZBUS_NODE_RANK"]
-        procs.append(node.start(argv, env=env))
+        procs.append(node.start(argv, env=dict(env, PYTHONPATH=TEST_PATH)))
     return procs
 
 
 def driver(c: NetnsCluster, scenario: str):
     return c.nodes[0].python(os.path.join(os.path.dirname(__file__), "mn_driver.py"), scenario,
-                             stdout=subprocess.PIPE, text=True)
+                             env={"PYTHONPATH": TEST_PATH}, stdout=subprocess.PIPE, text=True)
 
 
 def read_json(proc, timeout: float = 120) -> dict:
@@ -151,7 +153,8 @@ def test_compose_commands_run_the_demo_across_three_nodes(cluster):
     pytest.importorskip("torch")
     followers = start_followers(cluster)
     argv, env = compose.service("leader")
-    proc = cluster.nodes[0].start([*argv, "--steps", "20"], env=env, stdout=subprocess.PIPE, text=True)
+    proc = cluster.nodes[0].start([*argv, "--steps", "20"], env=dict(env, PYTHONPATH=TEST_PATH),
+                                  stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     assert "cluster of 6 ranks ready" in out and "matches the reference" in out and "yes" in out

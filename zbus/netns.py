@@ -1,4 +1,6 @@
-"""Test clusters without Docker: one network namespace per node.
+"""Test clusters without Docker: one network namespace per node (needs root).
+
+Used by the multi-node tests and by ``zbus bench``.
 
 Each node gets its own network namespace (an address on a bridge that lives in a
 namespace of its own), its own mount namespace with a private tmpfs on /dev/shm,
@@ -20,8 +22,6 @@ import time
 import psutil
 
 SUBNET = "10.213.{}.{}"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(REPO, "tests")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -54,7 +54,7 @@ class Node:
 
     def start(self, argv: list[str], env: dict[str, str] | None = None, **kwargs) -> psutil.Popen:
         """Start a process inside this node (all its namespaces)."""
-        full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]))
+        full_env = dict(os.environ)
         full_env.update(env or {})
         proc = psutil.Popen(["nsenter", "-t", str(self.sentinel.pid), "-m", "-u", "-n", "--", *argv],
                             env=full_env, **kwargs)
