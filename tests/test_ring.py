@@ -251,3 +251,29 @@ def test_geometry_setting(monkeypatch):
     monkeypatch.setenv("ZBUS_RING", "nonsense")
     with pytest.raises(ValueError, match="ZBUS_RING"):
         RingGeometry.from_env()
+
+
+def test_received_buffers_are_reused_only_when_nothing_refers_to_them():
+    writer = RingWriter.create(1, RingGeometry(64 * 1024, 8))
+    reader = RingReader.attach(writer.handle, 0)
+    size = 1024 * 1024
+    try:
+        def roundtrip(fill: int) -> list[memoryview]:
+            t = threading.Thread(target=writer.send, args=([bytes([fill]) * size],), kwargs={"timeout": 10})
+            t.start()
+            frames = reader.recv(timeout=10)
+            t.join(10)
+            return frames
+
+        kept = roundtrip(1)  # still referenced: its buffer must not be reused
+        first_buffer = kept[0].obj
+        second = roundtrip(2)
+        assert second[0].obj is not first_buffer
+        assert bytes(kept[0][:8]) == b"\x01" * 8 and bytes(kept[0][-8:]) == b"\x01" * 8
+        del second
+        third = roundtrip(3)  # the second buffer is free again: reused, warm
+        assert third[0].obj is not first_buffer
+        assert bytes(kept[0][-8:]) == b"\x01" * 8 and bytes(third[0][-8:]) == b"\x03" * 8
+    finally:
+        reader.close()
+        writer.close()

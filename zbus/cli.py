@@ -23,6 +23,12 @@ def _follower(args: argparse.Namespace) -> int:
                      allow_import_calls=args.allow_import_calls).run()
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import SCENARIOS, run
+
+    return run(args.scenarios or list(SCENARIOS), args.seconds, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zbus", description=(
         "zbus: collective RPC for multi-node GPU programs over shared memory and ZeroMQ."))
@@ -68,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let the leader call functions by import path 'pkg.mod:func' on this "
                      "node (ZBUS_ALLOW_IMPORT_CALLS=1); off by default")
     fol.set_defaults(func=_follower)
+
+    bench = sub.add_parser("bench", help="measure zbus beside baselines, in one run", description=(
+        "Run the benchmark suite and print medians, p99 and the ratio to a baseline "
+        "measured in the same run (alternating blocks). Scenarios: ring, rpc, payload, "
+        "nodes, idle, import (default: all)."))
+    bench.add_argument("scenarios", nargs="*", help="which scenarios (default: all)")
+    bench.add_argument("--seconds", type=float, default=2.0,
+                       help="measuring time per pair of figures (default 2)")
+    bench.add_argument("--json", default=None, metavar="PATH", help="also write every row as JSON")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -1,0 +1,405 @@
+"""``zbus bench``: a fixed benchmark suite, each figure beside a baseline measured
+in the same run.
+
+Every scenario is bounded in time. zbus and its baseline are measured in
+alternating blocks, so a noisy machine slows both alike; the table shows medians,
+p99 and the ratio zbus/baseline, pair by pair. ``--json PATH`` writes every row.
+
+Scenarios: ``ring`` (raw ring broadcast vs pyzmq ipc), ``rpc`` (no-op
+collective_rpc, 1/2/4 workers, vs multiprocessing pipes), ``payload`` (bytes and
+tensors 1 KiB..64 MiB to 2 workers, vs pyzmq ipc and memcpy), ``nodes`` (2 and 3
+nodes, relay vs direct fan-out, vs pyzmq TCP request/reply), ``idle`` (CPU of an
+idle worker, wake-up after idle), ``import`` (``import zbus`` time).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from .worker import Worker
+
+KiB, MiB = 2**10, 2**20
+
+
+@dataclass
+class Row:
+    scenario: str
+    case: str
+    median_us: float
+    p99_us: float
+    baseline: str = ""
+    baseline_median_us: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.median_us / self.baseline_median_us if self.baseline_median_us else None
+
+
+class BenchWorker(Worker):
+    """The worker every scenario drives."""
+
+    def noop(self, *args: Any) -> None:
+        return None
+
+    def size(self, data: Any) -> int:
+        return int(getattr(data, "nbytes", None) or len(data))
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    s = sorted(samples)
+    return statistics.median(s) * 1e6, s[int(0.99 * (len(s) - 1))] * 1e6
+
+
+def paired(a: Callable[[], None], b: Callable[[], None] | None, seconds: float,
+           block: int = 20) -> tuple[list[float], list[float]]:
+    """Time calls of ``a`` and ``b`` in alternating blocks for about ``seconds``."""
+    for f in (a, b):
+        if f is not None:
+            for _ in range(3):
+                f()
+    sa: list[float] = []
+    sb: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end or len(sa) < 5:
+        for f, out in ((a, sa), (b, sb)):
+            if f is None:
+                continue
+            for _ in range(block):
+                t = time.perf_counter()
+                f()
+                out.append(time.perf_counter() - t)
+    return sa, sb
+
+
+def row(scenario: str, case: str, sa: list[float], sb: list[float], baseline: str = "",
+        **extra: Any) -> Row:
+    m, p = _stats(sa)
+    return Row(scenario, case, m, p, baseline, _stats(sb)[0] if sb else 0.0, extra)
+
+
+# --- baselines --------------------------------------------------------------------
+
+
+def _pipe_worker(conn: Any, reply: bool) -> None:
+    while True:
+        data = conn.recv_bytes()
+        if data == b"stop":
+            return
+        if reply:
+            conn.send_bytes(b"ok")
+
+
+class PipeBaseline:
+    """``n`` processes fed by multiprocessing pipes: the plain-Python way."""
+
+    def __init__(self, n: int, all_reply: bool):
+        ctx = multiprocessing.get_context("spawn")
+        self.pipes = [ctx.Pipe() for _ in range(n)]
+        self.repliers = [c for i, (c, _) in enumerate(self.pipes) if all_reply or i == 0]
+        self.procs = [ctx.Process(target=_pipe_worker, args=(w, all_reply or i == 0), daemon=True)
+                      for i, (_, w) in enumerate(self.pipes)]
+        for p in self.procs:
+            p.start()
+
+    def call(self, data: bytes = b"noop") -> None:
+        for c, _ in self.pipes:
+            c.send_bytes(data)
+        for c in self.repliers:
+            c.recv_bytes()
+
+    def close(self) -> None:
+        for c, _ in self.pipes:
+            c.send_bytes(b"stop")
+        for p in self.procs:
+            p.join(10)
+
+
+def _zmq_sub_worker(pub: str, push: str, index: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sub, out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    out.connect(push)
+    out.send(b"hello")
+    while True:
+        frames = sub.recv_multipart(copy=False)
+        if frames[0].bytes == b"stop":
+            break
+        if index == 0 or len(frames) > 1 and frames[1].bytes == b"all":
+            out.send(b"ok")
+    ctx.destroy(linger=0)
+
+
+class ZmqBaseline:
+    """Raw pyzmq: PUB to ``n`` SUB processes (zero-copy frames), replies on PULL;
+    over ``ipc://`` here, or TCP when ``host`` is given."""
+
+    def __init__(self, n: int, host: str | None = None, spawn: Callable[..., Any] | None = None):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
+        if host is None:
+            base = f"ipc:///tmp/zbus-bench-{os.getpid()}"
+            self.pub.bind(base + "-pub")
+            self.pull.bind(base + "-pull")
+            pub_addr, pull_addr = base + "-pub", base + "-pull"
+        else:
+            self.pub.bind(f"tcp://{host}:*")
+            self.pull.bind(f"tcp://{host}:*")
+            pub_addr = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            pull_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = [spawn(i, pub_addr, pull_addr) if spawn else
+                      ctx.Process(target=_zmq_sub_worker, args=(pub_addr, pull_addr, i), daemon=True)
+                      for i in range(n)]
+        for p in self.procs:
+            if hasattr(p, "start"):
+                p.start()
+        for _ in range(n):
+            if not self.pull.poll(60_000):
+                raise TimeoutError("baseline workers did not start")
+            self.pull.recv()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # PUB/SUB joins late: wait until all hear us
+            self.pub.send_multipart([b"x", b"all"])
+            if self.pull.poll(200):
+                got = 0
+                while self.pull.poll(200):
+                    self.pull.recv()
+                    got += 1
+                if got >= n:
+                    break
+        while self.pull.poll(300):  # late answers to the probes
+            self.pull.recv()
+
+    def call(self, payload: Any = b"", all_reply: bool = False) -> None:
+        frames = [b"x", b"all" if all_reply else b"one"] + ([payload] if len(payload) else [])
+        self.pub.send_multipart(frames, copy=len(payload) < 65536)
+        for _ in range(len(self.procs) if all_reply else 1):
+            self.pull.recv()
+
+    def close(self) -> None:
+        self.pub.send(b"stop")
+        for p in self.procs:
+            (p.join if hasattr(p, "join") else p.wait)(10)
+        self.ctx.destroy(linger=0)
+
+
+# --- scenarios --------------------------------------------------------------------
+
+
+def bench_ring(seconds: float) -> list[Row]:
+    """Raw ring broadcast round trip: writer -> 2 reader processes -> reply from
+    reader 0, beside raw pyzmq over ipc in the same run; and GB/s for big messages."""
+    from .config import RingGeometry
+    from .ring import RingReader, RingWriter, create
+
+    geo = RingGeometry.from_env()
+    out = RingWriter.create(2, geo)
+    back_handle = create(1, geo)
+    back = RingReader.attach(back_handle, 0)
+    ctx = multiprocessing.get_context("spawn")
+    readers = [ctx.Process(target=_ring_echo, args=(out.handle.to_dict(), i, back_handle.to_dict()),
+                           daemon=True) for i in range(2)]
+    for p in readers:
+        p.start()
+    zb = ZmqBaseline(2)
+    rows = []
+    try:
+        small = [b"x" * 64]
+        sa, sb = paired(lambda: (out.send(small), back.recv()), lambda: zb.call(b"x" * 64), seconds)
+        rows.append(row("ring", "64 B round trip, 2 readers", sa, sb, "pyzmq ipc"))
+        for size in (1 * MiB, 16 * MiB, 64 * MiB):
+            data = bytearray(size)
+            sa, sb = paired(lambda d=data: (out.send([d]), back.recv()), lambda d=data: zb.call(d),
+                            seconds, block=2)
+            r = row("ring", f"{size // MiB} MiB broadcast, 2 readers", sa, sb, "pyzmq ipc")
+            r.extra = {"GB/s": size / (r.median_us / 1e6) / 1e9,
+                       "baseline GB/s": size / (r.baseline_median_us / 1e6) / 1e9}
+            rows.append(r)
+    finally:
+        out.send([b"stop"])
+        for p in readers:
+            p.join(10)
+        out.close()
+        back.close()
+        from . import shm
+
+        shm.unlink(back_handle.name)
+        zb.close()
+    return rows
+
+
+def _ring_echo(handle: dict, index: int, back: dict) -> None:
+    from .ring import RingReader, RingWriter
+
+    ring = RingReader.attach(handle, index)
+    out = RingWriter.attach(back) if index == 0 else None
+    while True:
+        frames = ring.recv()
+        if bytes(frames[0][:4]) == b"stop":
+            break
+        if out is not None:
+            out.send([b"ok"])
+    ring.close()
+    if out is not None:
+        out.close(unlink=False)
+
+
+def bench_rpc(seconds: float) -> list[Row]:
+    """No-op collective_rpc round trip, 1 / 2 / 4 local workers, beside
+    multiprocessing pipes doing the same fan-out in the same run."""
+    from .executor import Executor
+
+    rows = []
+    for n in (1, 2, 4):
+        with Executor(BenchWorker, nproc_per_node=n) as ex:
+            for unique in (True, False):
+                base = PipeBaseline(n, all_reply=not unique)
+                try:
+                    kw = {"unique_reply_rank": 0} if unique else {}
+                    sa, sb = paired(lambda kw=kw: ex.collective_rpc("noop", **kw), base.call, seconds)
+                finally:
+                    base.close()
+                what = "reply from rank 0" if unique else "all reply"
+                rows.append(row("rpc", f"no-op, {n} worker{'s' * (n > 1)}, {what}", sa, sb,
+                                "multiprocessing pipes"))
+    return rows
+
+
+def memcpy_seconds(size: int) -> float:
+    import numpy as np
+
+    src, dst = np.ones(size, np.uint8), np.empty(size, np.uint8)
+    best = []
+    for _ in range(7):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best.append(time.perf_counter() - t)
+    return statistics.median(best)
+
+
+def bench_payload(seconds: float) -> list[Row]:
+    """Payloads 1 KiB .. 64 MiB (bytes and CPU tensors) to 2 local workers, one
+    reply; beside raw pyzmq ipc, with single-thread memcpy bandwidth for scale."""
+    import torch
+
+    from .executor import Executor
+
+    rows = []
+    zb = ZmqBaseline(2)
+    try:
+        with Executor(BenchWorker, nproc_per_node=2) as ex:
+            for size in (1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB):
+                for kind in ("bytes", "tensor"):
+                    data = bytes(size) if kind == "bytes" else torch.zeros(size // 4)
+                    raw = bytes(size)
+                    sa, sb = paired(lambda d=data: ex.collective_rpc("size", args=(d,), unique_reply_rank=0),
+                                    lambda r=raw: zb.call(r), seconds / 2, block=2 if size >= MiB else 20)
+                    r = row("payload", f"{_size(size)} {kind} to 2 workers", sa, sb, "pyzmq ipc")
+                    r.extra = {"GB/s": size / (r.median_us / 1e6) / 1e9}
+                    if size >= 16 * MiB:
+                        r.extra["memcpy GB/s"] = size / memcpy_seconds(size) / 1e9
+                        r.extra["x memcpy"] = r.extra["GB/s"] / r.extra["memcpy GB/s"]
+                    rows.append(r)
+    finally:
+        zb.close()
+    return rows
+
+
+def bench_idle(seconds: float) -> list[Row]:
+    """CPU of an idle worker over 5 s; wake-up of the first call after 1 s / 10 s idle."""
+    import psutil
+
+    from .executor import Executor
+
+    rows = []
+    with Executor(BenchWorker, nproc_per_node=2) as ex:
+        ex.collective_rpc("noop")
+        worker = psutil.Process(ex._workers.procs[0].pid)
+        cpu0 = sum(worker.cpu_times()[:2])
+        time.sleep(5)
+        busy = (sum(worker.cpu_times()[:2]) - cpu0) / 5
+        rows.append(Row("idle", "idle worker CPU (% of a core, 5 s)", busy * 100, busy * 100))
+        warm, _ = paired(lambda: ex.collective_rpc("noop"), None, min(seconds, 1.0))
+        for idle in (1, 10):
+            time.sleep(idle)
+            t = time.perf_counter()
+            ex.collective_rpc("noop")
+            first = time.perf_counter() - t
+            r = Row("idle", f"first call after {idle} s idle", first * 1e6, first * 1e6,
+                    "warm call", statistics.median(warm) * 1e6)
+            rows.append(r)
+    return rows
+
+
+def bench_import() -> list[Row]:
+    code = ("import time, sys; t = time.perf_counter(); import zbus; "
+            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+    times, torch_loaded = [], False
+    for _ in range(5):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        t, loaded = out.stdout.split()
+        times.append(float(t))
+        torch_loaded |= loaded == "True"
+    m = statistics.median(times) * 1e6
+    return [Row("import", "import zbus", m, max(times) * 1e6, extra={"torch imported": torch_loaded})]
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+SCENARIOS: dict[str, Callable[[float], list[Row]]] = {
+    "ring": bench_ring, "rpc": bench_rpc, "payload": bench_payload, "idle": bench_idle,
+    "import": lambda seconds: bench_import(),
+}
+
+
+def machine() -> dict:
+    import psutil
+
+    return {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [f"{'scenario':<8} {'case':<40} {'median':>10} {'p99':>10}  {'baseline':<22} "
+             f"{'base med':>10} {'ratio':>6}  extra"]
+    for r in rows:
+        ratio = f"{r.ratio:6.2f}" if r.ratio else "      "
+        extra = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.extra.items())
+        unit = "%" if "CPU" in r.case else "us"
+        lines.append(f"{r.scenario:<8} {r.case:<40} {r.median_us:8.1f}{unit:>2} {r.p99_us:8.1f}{unit:>2}  "
+                     f"{r.baseline:<22} {r.baseline_median_us:10.1f} {ratio}  {extra}")
+    return "\n".join(lines)
+
+
+def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = sys.stdout) -> int:
+    rows: list[Row] = []
+    for name in scenarios:
+        if name not in SCENARIOS:
+            print(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
+            return 2
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        rows += SCENARIOS[name](seconds)
+    print(format_table(rows), file=out)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"machine": machine(), "command": " ".join(sys.argv),
+                       "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}, f, indent=1)
+    return 0
