@@ -39,6 +39,7 @@ class Row:
     baseline: str = ""
     baseline_median_us: float = 0.0
     extra: dict = field(default_factory=dict)
+    unit: str = "us"  # of median and p99: "us", "%" (CPU) or "B" (bytes)
 
     @property
     def ratio(self) -> float | None:
@@ -333,7 +334,7 @@ def bench_idle(seconds: float) -> list[Row]:
         cpu0 = sum(worker.cpu_times()[:2])
         time.sleep(5)
         busy = (sum(worker.cpu_times()[:2]) - cpu0) / 5
-        rows.append(Row("idle", "idle worker CPU (% of a core, 5 s)", busy * 100, busy * 100))
+        rows.append(Row("idle", "idle worker CPU (% of a core, 5 s)", busy * 100, busy * 100, unit="%"))
         warm, _ = paired(lambda: ex.collective_rpc("noop"), None, min(seconds, 1.0))
         for idle in (1, 10):
             time.sleep(idle)
@@ -359,12 +360,190 @@ def bench_import() -> list[Row]:
     return [Row("import", "import zbus", m, max(times) * 1e6, extra={"torch imported": torch_loaded})]
 
 
+# --- multi-node ---------------------------------------------------------------------
+
+NODES_PORT = 29660
+
+
+def _sub_reply_worker(pub: str, push: str, index: int) -> None:
+    """A direct fan-out subscriber (every remote worker dials the leader, as vLLM's
+    remote readers do); answers when the message names its index."""
+    import zmq
+
+    ctx = zmq.Context()
+    sub, out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    out.connect(push)
+    out.send(b"hello")
+    while True:
+        frames = sub.recv_multipart(copy=False)
+        tag = frames[0].bytes
+        if tag == b"stop":
+            break
+        if tag == b"probe" or int(tag) == index:
+            out.send(b"ok")
+    ctx.destroy(linger=0)
+
+
+def _rep_worker(address: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    rep = ctx.socket(zmq.REP)
+    rep.connect(address)
+    while True:
+        frames = rep.recv_multipart(copy=False)
+        if frames[0].bytes == b"stop":
+            rep.send(b"bye")
+            break
+        rep.send(b"ok")
+    ctx.destroy(linger=0)
+
+
+def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], iface: str) -> None:
+    """Runs on the leader node: zbus over ``nnodes`` x 2 workers beside direct
+    fan-out and a pyzmq TCP request/reply; prints one JSON row per line."""
+    import psutil
+    import torch
+    import zmq
+
+    from .executor import Executor
+
+    def spawn(node: int, code: str) -> Any:
+        argv = [sys.executable, "-c", code]
+        if sentinels:
+            argv = ["nsenter", "-t", str(sentinels[node]), "-m", "-u", "-n", "--", *argv]
+        return subprocess.Popen(argv)
+
+    def egress() -> int:
+        return psutil.net_io_counters(pernic=True)[iface].bytes_sent
+
+    ctx = zmq.Context()
+    pub, pull, req = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL), ctx.socket(zmq.REQ)
+    ports = [s.bind_to_random_port(f"tcp://{host}") for s in (pub, pull, req)]
+    remote = [(node, i) for node in range(1, nnodes) for i in range(2)]
+    procs = [spawn(node, f"from zbus.bench import _sub_reply_worker as w; "
+                         f"w('tcp://{host}:{ports[0]}', 'tcp://{host}:{ports[1]}', {k})")
+             for k, (node, _) in enumerate(remote)]
+    procs.append(spawn(1, f"from zbus.bench import _rep_worker as w; w('tcp://{host}:{ports[2]}')"))
+    for _ in remote:
+        if not pull.poll(60_000):
+            raise TimeoutError("direct fan-out workers did not start")
+        pull.recv()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # PUB/SUB joins late: probe until all answer
+        pub.send(b"probe")
+        got = 0
+        while pull.poll(300):
+            pull.recv()
+            got += 1
+        if got >= len(remote):
+            break
+    last = len(remote) - 1
+
+    def direct(payload: Any) -> None:
+        pub.send_multipart([str(last).encode(), payload], copy=len(payload) < 65536)
+        pull.recv()
+
+    def reqrep(payload: Any) -> None:
+        req.send_multipart([b"x", payload], copy=len(payload) < 65536)
+        req.recv()
+
+    def emit(r: Row) -> None:
+        print(json.dumps(dict(asdict(r))), flush=True)
+
+    try:
+        with Executor(BenchWorker, nnodes=nnodes, nproc_per_node=2, master_addr=host,
+                      master_port=NODES_PORT) as ex:
+            world = ex.world_size
+            for size in (0, MiB, 16 * MiB):
+                data, raw = (torch.zeros(size // 4), bytes(size)) if size else ((), b"")
+                call = (lambda: ex.collective_rpc("noop", unique_reply_rank=world - 1)) if not size else \
+                    (lambda d=data: ex.collective_rpc("size", args=(d,), unique_reply_rank=world - 1))
+                blk = 2 if size >= MiB else 20
+                sa, sb = paired(call, lambda r=raw: direct(r), seconds / 2, block=blk)
+                case = f"{nnodes} nodes, {'no-op' if not size else _size(size)}, reply from rank {world - 1}"
+                emit(row("nodes", case, sa, sb, "direct fan-out"))
+                sa, sb = paired(call, lambda r=raw: reqrep(r), seconds / 2, block=blk)
+                emit(row("nodes", case, sa, sb, "pyzmq TCP req/rep"))
+            payload, n = torch.zeros(4 * MiB), 5  # 16 MiB
+            for name, send in (("zbus relay", lambda: ex.collective_rpc("size", args=(payload,),
+                                                                         unique_reply_rank=0)),
+                               ("direct fan-out", lambda: direct(bytes(payload.numpy())))):
+                before = egress()
+                for _ in range(n):
+                    send()
+                per = (egress() - before) / n
+                emit(Row("egress", f"{nnodes} nodes x 2 workers: {name}", per, per,
+                         extra={"payloads per broadcast": per / (16 * MiB)}, unit="B"))
+    finally:
+        pub.send(b"stop")
+        req.send_multipart([b"stop", b""])
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        ctx.destroy(linger=0)
+
+
+def bench_nodes(seconds: float) -> list[Row]:
+    """2 and 3 nodes x 2 workers, in network namespaces when this runs as root
+    (each node its own address and /dev/shm), else on loopback."""
+    from . import netns
+
+    rows: list[Row] = []
+    why = netns.unavailable()
+    if why:
+        print(f"nodes: {why}; measuring on loopback instead", file=sys.stderr)
+    for nnodes in (2, 3):
+        rows += _run_nodes(nnodes, seconds, why is None)
+    return rows
+
+
+def _run_nodes(nnodes: int, seconds: float, use_netns: bool) -> list[Row]:
+    from . import netns
+
+    env = {"ZBUS_NPROC_PER_NODE": "2", "ZBUS_MASTER_PORT": str(NODES_PORT)}
+    code = "import sys, json; from zbus.bench import nodes_driver; nodes_driver(*json.loads(sys.argv[1]))"
+    if not use_netns:
+        env["ZBUS_MASTER_ADDR"] = "127.0.0.1"
+        followers = [subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(r)],
+                                      env=dict(os.environ, **env)) for r in range(1, nnodes)]
+        args = [nnodes, seconds, "127.0.0.1", [], "lo"]
+        try:
+            out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
+                                 text=True, timeout=600)
+        finally:
+            for f in followers:
+                f.wait(30)
+        return _parse_rows(out)
+    with netns.NetnsCluster(nnodes) as c:
+        env["ZBUS_MASTER_ADDR"] = "leader"
+        for node in c.nodes[1:]:
+            node.start([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(node.index)],
+                       env=env)
+        args = [nnodes, seconds, c.nodes[0].address, [n.sentinel.pid for n in c.nodes], "eth0"]
+        proc = c.nodes[0].python("-c", code, json.dumps(args), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate(timeout=600)
+        return _parse_rows(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+
+
+def _parse_rows(out: subprocess.CompletedProcess) -> list[Row]:
+    if out.returncode != 0:
+        raise RuntimeError(f"nodes benchmark failed:\n{out.stderr[-3000:]}")
+    return [Row(**json.loads(line)) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
 def _size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
 SCENARIOS: dict[str, Callable[[float], list[Row]]] = {
-    "ring": bench_ring, "rpc": bench_rpc, "payload": bench_payload, "idle": bench_idle,
+    "ring": bench_ring, "rpc": bench_rpc, "payload": bench_payload, "nodes": bench_nodes,
+    "idle": bench_idle,
     "import": lambda seconds: bench_import(),
 }
 
@@ -378,13 +557,13 @@ def machine() -> dict:
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = [f"{'scenario':<8} {'case':<40} {'median':>10} {'p99':>10}  {'baseline':<22} "
+    lines = [f"{'scenario':<8} {'case':<40} {'median':>12} {'p99':>12}  {'baseline':<22} "
              f"{'base med':>10} {'ratio':>6}  extra"]
     for r in rows:
         ratio = f"{r.ratio:6.2f}" if r.ratio else "      "
         extra = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.extra.items())
-        unit = "%" if "CPU" in r.case else "us"
-        lines.append(f"{r.scenario:<8} {r.case:<40} {r.median_us:8.1f}{unit:>2} {r.p99_us:8.1f}{unit:>2}  "
+        unit = r.unit
+        lines.append(f"{r.scenario:<8} {r.case:<40} {r.median_us:10.1f}{unit:>2} {r.p99_us:10.1f}{unit:>2}  "
                      f"{r.baseline:<22} {r.baseline_median_us:10.1f} {ratio}  {extra}")
     return "\n".join(lines)
 
