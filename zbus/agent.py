@@ -6,11 +6,13 @@ RPC messages are relayed as the bytes they arrived as: the agent never decodes
 them. Workers answer the leader directly over their own PUSH sockets.
 
 Exit codes: 0 after the leader's ``bye``; 1 when the leader was lost (no heartbeat
-for the liveness limit) or this node was refused; 2 on a bad configuration.
+for the liveness limit), this node was refused, or it could not start; 2 for a
+command line that does not parse.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -21,6 +23,7 @@ import zmq
 
 from . import codec, shm
 from .cluster import (
+    PROBE_TOPICS,
     PROTOCOL_VERSION,
     TOPIC_HEARTBEAT,
     TOPIC_RPC,
@@ -38,6 +41,9 @@ from .queues import send_frames
 from .ring import RingWriter
 
 log = logging.getLogger(__name__)
+
+
+BACKLOG_MESSAGES = 1024  # read ahead at most this many messages while the ring is full
 
 
 class LeaderLost(ZbusError):
@@ -64,6 +70,8 @@ class NodeAgent:
         self.ring: RingWriter | None = None
         self.workers: LocalWorkers | None = None
         self._deaths: list[tuple[int, int | None]] = []
+        self._backlog: collections.deque = collections.deque()
+        self._probes_seen: set[bytes] | None = set()
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
         self._next_hb = 0.0
@@ -149,14 +157,15 @@ class NodeAgent:
         self.liveness_s = welcome["liveness_s"]
         from .logs import setup_logging
 
-        setup_logging(f"node {self.node_rank}")
+        setup_logging(f"node {self.node_rank}", logging.getLevelName(logging.getLogger().level))
         self.ring = RingWriter.create(n)
         world = welcome["nnodes"] * n
         places = [{"rank": self.node_rank * n + i, "local_rank": i, "world_size": world,
                    "local_world_size": n, "node_rank": self.node_rank} for i in range(n)]
         spec = dict(welcome["spec"], allow_import=self.allow_import_calls)
-        env = {} if not self.ifname or "GLOO_SOCKET_IFNAME" in os.environ else {
-            "GLOO_SOCKET_IFNAME": self.ifname}
+        env = dict(welcome.get("env") or {})  # the driver's Executor(env=...)
+        if self.ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env.setdefault("GLOO_SOCKET_IFNAME", self.ifname)
         self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
                                     [{"push": welcome["reply_address"]}] * n, [self.ring.name],
                                     welcome["master_addr"], welcome["torch_port"], env, self._on_death)
@@ -175,13 +184,14 @@ class NodeAgent:
             if self._death_r in events:
                 os.read(self._death_r, 64)
                 self._report_deaths()
-            if self.sub in events:
-                while self.sub.poll(0, zmq.POLLIN):
-                    frames = self.sub.recv_multipart(copy=False)
+            if self.sub in events or self._backlog:
+                while self._backlog or self.sub.poll(0, zmq.POLLIN):
+                    frames = self._backlog.popleft() if self._backlog else self._read()
                     topic = frames[0].bytes
-                    self._last_leader = time.monotonic()
                     if topic == TOPIC_RPC:
                         self._relay([f.buffer for f in frames[1:]])
+                    elif topic in PROBE_TOPICS:
+                        self._on_probe(topic, self._decode(frames[1:]))
                     elif topic == TOPIC_HEARTBEAT:
                         msg = self._decode(frames[1:])
                         if msg == ["stopping"]:
@@ -191,11 +201,34 @@ class NodeAgent:
                             self.workers.stop(grace=5.0)
                             return 0
 
+    def _on_probe(self, topic: bytes, msg: Any) -> None:
+        """Answer ``subscribed`` once probes for this node came on both topics."""
+        if msg == ["probe", self.node_id] and self._probes_seen is not None:
+            self._probes_seen.add(topic)
+            if len(self._probes_seen) == len(PROBE_TOPICS):
+                self._send(["subscribed", self.node_id], timeout=1.0)
+                self._probes_seen = None
+
+    def _read(self) -> list:
+        frames = self.sub.recv_multipart(copy=False)
+        self._last_leader = time.monotonic()
+        return frames
+
+    def _read_ahead(self) -> None:
+        """While a relay waits for slow workers, keep reading what the leader sends
+        (bounded), so its heartbeats are seen and this node is not given up."""
+        while len(self._backlog) < BACKLOG_MESSAGES and self.sub.poll(0, zmq.POLLIN):
+            self._backlog.append(self._read())
+
     def _relay(self, frames: list) -> None:
         try:
-            self.ring.send(frames, on_full=self._tick)
+            self.ring.send(frames, on_full=self._on_ring_full)
         except (RingClosed, Cancelled) as e:
             raise ZbusError(f"relay failed: {e}") from e
+
+    def _on_ring_full(self) -> None:
+        self._read_ahead()
+        self._tick()
 
     def _tick(self) -> None:
         """Heartbeat the leader and check that it is alive; runs from the main loop

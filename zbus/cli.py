@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nnodes N: lead a cluster whose N-1 followers run 'zbus follower' elsewhere."))
     demo.add_argument("--nnodes", type=int, default=None,
                       help="lead a cluster of N nodes whose followers run elsewhere")
-    demo.add_argument("--nproc-per-node", type=int, default=2, help="workers per node (default 2)")
+    demo.add_argument("--nproc-per-node", type=int, default=None,
+                      help="workers per node (ZBUS_NPROC_PER_NODE, default 2)")
     demo.add_argument("--master-addr", default=None,
                       help="this leader's address, which followers dial (ZBUS_MASTER_ADDR)")
     demo.add_argument("--master-port", type=int, default=None,
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.log_level:  # also for the processes this one starts
+        os.environ["ZBUS_LOG_LEVEL"] = args.log_level.upper()
     setup_logging(args.command or "cli", args.log_level)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -6,10 +6,18 @@ control, leader -> nodes) and ``master_port + 1`` (PULL: joins, heartbeats and
 every remote rank's replies, nodes -> leader). Followers open every connection.
 
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
-ring), ``H`` leader heartbeats and the final ``bye``, ``N<node id>`` control for
-one node (welcome or reject). Messages on the PULL side are codec-encoded lists:
-``["join", node_id, info]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
+ring), ``H`` leader heartbeats, ``stopping`` and the final ``bye``, ``N<node id>``
+control for one node (welcome or reject), ``RP``/``HP`` probes. Messages on the
+PULL side are codec-encoded lists: ``["join", node_id, info]``,
+``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
 exitcode]``, or a worker reply ``[rank, seq, status, value]``.
+
+Joining: a follower subscribes to ``R``, ``H`` and its own ``N<id>``, then sends
+``join`` until welcomed. The leader welcomes it (on ``N<id>``) once that
+subscription shows on the XPUB socket, then probes it on ``RP`` and ``HP`` until
+it answers ``subscribed``: only then does the node count as joined, so it cannot
+miss an RPC. (A SUB socket re-sends its subscriptions in no set order, so the
+order they were made in proves nothing.)
 """
 
 from __future__ import annotations
@@ -29,12 +37,15 @@ import zmq
 
 from . import codec
 from .errors import CodecError, NodeLostError, RingClosed, SendTimeout, WorkerDiedError, ZbusError
-from .queues import Broadcaster, bind, deadline_of, remaining, send_frames
+from .queues import Broadcaster, bind, deadline_of, remaining, send_frames, wait_released
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
+# Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
+# so a node's answer proves both subscriptions are in place at the leader.
+PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
 DEFAULT_MASTER_PORT = 29650
 
 
@@ -184,11 +195,17 @@ class Leader:
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
         bind(self.pull, self.bind_ip, settings.master_port + 1)
-        self.xpub_lock = threading.Lock()
+        self.xpub_lock = threading.RLock()  # the I/O thread sends welcomes while reading it
         self.nodes: dict[int, NodeInfo] = {}
         self.cond = threading.Condition()
         self.receivers: dict[int, RemoteReceiver] = {}
         self._on_failure = on_failure
+        self.failure: Exception | None = None
+        self.formed = settings.nnodes <= 1
+        self._joins: dict[str, dict] = {}
+        self._subscribed: set[bytes] = set()
+        self._probing: dict[str, NodeInfo] = {}
+        self._welcome_spec: dict = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dropped = 0
@@ -197,61 +214,107 @@ class Leader:
 
     # --- joining -------------------------------------------------------------------
 
-    def admit(self, spec: dict, torch_port: int, timeout: float) -> None:
-        """Wait until every follower node joined and got its welcome."""
-        s = self.settings
-        want = s.nnodes - 1
-        deadline = deadline_of(timeout)
-        pending_subs: set[bytes] = set()
-        joins: dict[str, tuple[dict, float]] = {}
-        poller = zmq.Poller()
-        poller.register(self.pull, zmq.POLLIN)
-        poller.register(self.bcast.xpub, zmq.POLLIN)
-        last_log = 0.0
-        while len(self.nodes) < want:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(1, s.nnodes)) - set(self.nodes))
-                raise TimeoutError(f"{len(self.nodes)}/{want} follower nodes joined within {timeout} s; "
-                                   f"missing node ranks: {missing}")
-            events = dict(poller.poll(min(500, int(left * 1000) + 1)))
-            if self.bcast.xpub in events:
-                msg = self.bcast.xpub.recv()
-                if msg[:1] == b"\x01":
-                    pending_subs.add(msg[1:])
-            if self.pull in events:
-                msg = self._recv_control()
-                if msg is not None and msg[0] == "join":
-                    joins[msg[1]] = (msg[2], time.monotonic())
-            for node_id, (info, _) in list(joins.items()):
-                if node_topic(node_id) in pending_subs:
-                    del joins[node_id]
-                    self._welcome(node_id, info, spec, torch_port)
-            if time.monotonic() - last_log > 2:
-                last_log = time.monotonic()
-                log.info("%d/%d nodes joined: %s", len(self.nodes) + 1, s.nnodes,
-                         ", ".join(f"{n.node_rank}:{n.host}" for n in self.nodes.values()) or "-")
-        log.info("%d/%d nodes joined", s.nnodes, s.nnodes)
+    def admit(self, spec: dict, torch_port: int, timeout: float, extra_env: dict | None = None) -> None:
+        """Start the I/O thread, which admits the nodes, and wait until all joined.
 
-    def _welcome(self, node_id: str, info: Any, spec: dict, torch_port: int) -> None:
+        Heartbeats flow both ways from the first join on, and replies (READY)
+        from nodes that joined early are kept. A node refused for a reason that
+        a retry cannot mend (protocol version, worker count, node rank) fails
+        start-up at once, naming the node; a timeout names the missing ranks."""
+        self._welcome_spec = {"spec": spec, "torch_port": torch_port, "env": dict(extra_env or {})}
+        self.start()
+        want = self.settings.nnodes - 1
+        deadline = time.monotonic() + timeout
+        last_log = time.monotonic()
+        with self.cond:
+            while len(self.nodes) < want:
+                if self.failure is not None:
+                    raise self.failure
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, self.settings.nnodes)) - set(self.nodes))
+                    raise TimeoutError(f"{len(self.nodes)}/{want} follower nodes joined within "
+                                       f"{timeout} s; missing node ranks: {missing}")
+                self.cond.wait(min(left, 1.0))
+                if time.monotonic() - last_log >= 2:
+                    last_log = time.monotonic()
+                    log.info("%d/%d nodes joined: %s", len(self.nodes) + 1, self.settings.nnodes,
+                             self.describe_nodes())
+            self.formed = True
+        log.info("%d/%d nodes joined: %s", want + 1, want + 1, self.describe_nodes())
+
+    def describe_nodes(self) -> str:
+        return ", ".join(f"{n.node_rank}:{n.host}" for n in sorted(self.nodes.values(),
+                                                                   key=lambda n: n.node_rank)) or "-"
+
+    def _on_subscription(self, topic: bytes) -> None:
+        log.debug("subscription %r", topic)
+        self._subscribed.add(topic)
+        self._welcome_ready()
+
+    def _on_join(self, node_id: Any, info: Any) -> None:
+        if type(node_id) is not str or not isinstance(info, dict):
+            self.dropped += 1
+            log.warning("dropped a malformed join request")
+            return
+        if node_id in self._probing or any(n.node_id == node_id for n in self.nodes.values()):
+            return  # a repeated join of a node already welcomed
+        log.debug("join from %s (%s)", info.get("host"), node_id)
+        if self.formed:
+            log.error("refused a join from %s: the cluster is formed", info.get("host", "?"))
+            self._send(node_topic(node_id), ["reject", "the cluster is already formed"], timeout=1.0)
+            return
+        self._joins[node_id] = info
+        self._welcome_ready()
+
+    def _welcome_ready(self) -> None:
+        """Welcome the joins whose node topic subscription has arrived: the RPC and
+        heartbeat topics, subscribed before it on the same connection, are then
+        in place too, so the node misses nothing."""
+        for node_id in [n for n in self._joins if node_topic(n) in self._subscribed]:
+            self._welcome(node_id, self._joins.pop(node_id))
+
+    def _welcome(self, node_id: str, info: dict) -> None:
         s = self.settings
         try:
             node_rank = self._check_join(info)
         except ZbusError as e:
-            log.error("refused node %s: %s", info.get("host") if isinstance(info, dict) else "?", e)
-            self._send(node_topic(node_id), ["reject", str(e)])
+            log.error("refused node %s: %s", info.get("host", "?"), e)
+            self._send(node_topic(node_id), ["reject", str(e)], timeout=1.0)
+            with self.cond:
+                if self.failure is None:
+                    self.failure = ZbusError(f"node {info.get('host', '?')} refused: {e}")
+                self.cond.notify_all()
             return
-        self.nodes[node_rank] = NodeInfo(node_rank, node_id, info["host"], info["address"],
-                                         info["nproc"], info["pid"], time.monotonic())
+        node = NodeInfo(node_rank, node_id, info["host"], info["address"], info["nproc"], info["pid"],
+                        time.monotonic())
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
             self.receivers[rank] = RemoteReceiver(rank, self.cond)
-        self._send(node_topic(node_id), ["welcome", {
+        sent = self._send(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
-            "spec": spec, "master_addr": s.master_addr, "torch_port": torch_port,
+            "master_addr": s.master_addr, "liveness_s": s.liveness_s,
             "reply_address": f"tcp://{_bracket(self.bind_ip)}:{s.master_port + 1}",
-            "liveness_s": s.liveness_s}])
-        log.info("node %d joined: %s (%s)", node_rank, info["host"], info["address"])
+            **self._welcome_spec}])
+        if sent:
+            self._probing[node_id] = node
+        else:  # its next join tries again
+            log.warning("welcome to %s not sent: retrying on its next join", node.host)
+
+    def _on_subscribed(self, node_id: Any) -> None:
+        node = self._probing.pop(node_id, None)
+        if node is None:
+            return
+        node.last_seen = time.monotonic()
+        with self.cond:
+            self.nodes[node.node_rank] = node
+            self.cond.notify_all()
+        log.info("node %d joined: %s (%s)", node.node_rank, node.host, node.address)
+
+    def _probe(self) -> None:
+        for node_id in self._probing:
+            for topic in PROBE_TOPICS:
+                self._send(topic, ["probe", node_id], timeout=0.1)
 
     def _check_join(self, info: Any) -> int:
         s = self.settings
@@ -265,25 +328,23 @@ class Leader:
             raise ZbusError(f"node {host} has {info['nproc']} workers but every node needs "
                             f"{s.nproc_per_node} (world size {s.nnodes * s.nproc_per_node})")
         rank = info["node_rank"]
+        taken = {n.node_rank: n for n in (*self.nodes.values(), *self._probing.values())}
         if rank in (None, -1):
-            free = [r for r in range(1, s.nnodes) if r not in self.nodes]
+            free = [r for r in range(1, s.nnodes) if r not in taken]
             if not free:
                 raise ZbusError(f"node {host}: the cluster of {s.nnodes} nodes is complete")
             return free[0]
         if type(rank) is not int or not 1 <= rank < s.nnodes:
             raise ZbusError(f"node {host} asks for node rank {rank}; valid: 1..{s.nnodes - 1} "
                             "(0 is the leader)")
-        if rank in self.nodes:
+        if rank in taken:
             raise ZbusError(f"node {host} asks for node rank {rank}, already taken by "
-                            f"{self.nodes[rank].host}")
+                            f"{taken[rank].host}")
         return rank
 
     # --- running -------------------------------------------------------------------
 
     def start(self) -> None:
-        now = time.monotonic()
-        for n in self.nodes.values():
-            n.last_seen = now
         self._thread = threading.Thread(target=self._run, name="zbus-leader-io", daemon=True)
         self._thread.start()
 
@@ -311,14 +372,18 @@ class Leader:
                 ring.flush(deadline, cancel, on_full)
             except TimeoutError as e:
                 raise SendTimeout(str(e), queued=False) from None
-        with self.xpub_lock:
-            send_frames(self.bcast.xpub, [TOPIC_RPC, *frames], deadline, "broadcast to nodes", cancel)
-        if ring is not None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ring.send(frames, left, cancel, on_full)
-            except SendTimeout as e:
-                raise SendTimeout(str(e), queued=True) from None
+        with self.xpub_lock:  # held only to queue: heartbeats need the socket too
+            trackers = send_frames(self.bcast.xpub, [TOPIC_RPC, *frames], deadline,
+                                   "broadcast to nodes", cancel, wait_release=False)
+        try:
+            if ring is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    ring.send(frames, left, cancel, on_full)
+                except SendTimeout as e:
+                    raise SendTimeout(str(e), queued=True) from None
+        finally:  # even on a timeout: the caller may reuse its buffers once we return
+            wait_released(trackers, "broadcast to nodes", cancel)
 
     def _recv_control(self) -> Any:
         try:
@@ -335,6 +400,9 @@ class Leader:
         return msg
 
     def _run(self) -> None:
+        """The I/O thread: replies and control from the nodes, subscriptions while
+        the cluster forms (the XPUB socket is then only ours), heartbeats and
+        liveness."""
         s = self.settings
         next_hb = 0.0
         try:
@@ -346,12 +414,28 @@ class Leader:
                     next_hb = time.monotonic() + s.heartbeat_s
                     self._check_liveness(time.monotonic())
                     touch_health()
-                if self.pull.poll(int(max(0.0, next_hb - time.monotonic()) * 1000) + 1, zmq.POLLIN):
+                wait_ms = int(max(0.0, next_hb - time.monotonic()) * 1000) + 1
+                if not self.formed:
+                    wait_ms = min(wait_ms, 50)
+                    with self.xpub_lock:
+                        while self.bcast.xpub.poll(0, zmq.POLLIN):
+                            msg = self.bcast.xpub.recv()
+                            if msg[:1] == b"\x01":
+                                self._on_subscription(msg[1:])
+                    self._probe()
+                if self.pull.poll(wait_ms, zmq.POLLIN):
                     while self.pull.poll(0, zmq.POLLIN):
                         self._dispatch(self._recv_control())
         except zmq.ZMQError as e:
             if not self._stop.is_set():
-                self._on_failure(ZbusError(f"leader I/O failed: {e}"))
+                self._fail(ZbusError(f"leader I/O failed: {e}"))
+
+    def _fail(self, error: Exception) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = error
+            self.cond.notify_all()
+        self._on_failure(error)
 
     def _dispatch(self, msg: Any) -> None:
         if msg is None:
@@ -366,15 +450,17 @@ class Leader:
             with self.cond:
                 receiver.put(msg)
                 self.cond.notify_all()
-        elif kind == "hb" and len(msg) == 2 and msg[1] in self.nodes:
-            self.nodes[msg[1]].last_seen = time.monotonic()
+        elif kind == "hb" and len(msg) == 2:  # from a node still being probed: nothing to do
+            node = self.nodes.get(msg[1]) if type(msg[1]) is int else None
+            if node is not None:
+                node.last_seen = time.monotonic()
         elif kind == "died" and len(msg) == 4 and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
-            self._on_failure(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
-        elif kind == "join":
-            info = msg[2] if len(msg) > 2 and isinstance(msg[2], dict) else {}
-            if not any(n.node_id == msg[1] for n in self.nodes.values()):
-                log.error("refused late join from %s: the cluster is formed", info.get("host", "?"))
+            self._fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
+        elif kind == "join" and len(msg) == 3:
+            self._on_join(msg[1], msg[2])
+        elif kind == "subscribed" and len(msg) == 2:
+            self._on_subscribed(msg[1])
         else:
             self.dropped += 1
             log.warning("dropped an unknown control message %r", str(kind)[:50])
@@ -382,7 +468,7 @@ class Leader:
     def _check_liveness(self, now: float) -> None:
         for node in self.nodes.values():
             if now - node.last_seen > self.settings.liveness_s:
-                self._on_failure(NodeLostError(
+                self._fail(NodeLostError(
                     node.node_rank, node.host, f"no heartbeat for {now - node.last_seen:.1f} s"))
                 return
 

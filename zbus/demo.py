@@ -125,7 +125,7 @@ def _start_local_followers(nnodes: int, nproc: int, port: int) -> list[Any]:
                              env=env, stdin=subprocess.DEVNULL) for r in range(1, nnodes)]
 
 
-def run_demo(nnodes: int | None = None, nproc_per_node: int = 2, master_addr: str | None = None,
+def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, master_addr: str | None = None,
              master_port: int | None = None, steps: int = 200, out: Any = sys.stdout) -> int:
     """Run the demo. With no ``nnodes``, a whole cluster on this machine: this
     process leads, and two ``zbus follower`` processes join it over TCP on
@@ -135,6 +135,7 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int = 2, master_addr: st
     from .executor import Executor
 
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    nproc_per_node = nproc_per_node or int(os.environ.get("ZBUS_NPROC_PER_NODE") or 2)
     local = nnodes is None
     followers: list[Any] = []
     if local:

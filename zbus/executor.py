@@ -142,8 +142,6 @@ class Executor:
         self.worker_kwargs = dict(worker_kwargs or {})
         self.nproc_per_node = nproc_per_node
         self.world_size = nproc_per_node
-        if not 0 <= output_rank < self.world_size:
-            raise ValueError(f"output_rank {output_rank} outside 0..{self.world_size - 1}")
         self.output_rank = output_rank
         self.startup_timeout = startup_timeout
         self.allow_import_calls = allow_import_calls
@@ -237,6 +235,8 @@ class InprocExecutor(Executor):
         if kwargs.get("nproc_per_node", 1) != 1:
             raise ValueError("backend='inproc' runs exactly one worker (nproc_per_node=1)")
         super().__init__(worker, **kwargs)
+        if self.output_rank != 0:
+            raise ValueError(f"output_rank {self.output_rank} outside 0..0")
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                            ("LOCAL_WORLD_SIZE", "1"), ("NODE_RANK", "0")):
             os.environ.setdefault(key, value)
@@ -475,23 +475,36 @@ class MultiprocExecutor(Executor):
         try:
             self._bcast.publish(spec, remaining(deadline, "worker start-up"))
             if self._leader is not None:
-                self._leader.admit(spec, torch_port, self.join_timeout)
+                try:
+                    self._leader.admit(spec, torch_port, self.join_timeout, self.extra_env)
+                except (TimeoutError, ZbusError) as e:
+                    raise StartupError(str(e)) from None
                 self._receivers += [self._leader.receivers[r] for r in range(n, self.world_size)]
-                self._leader.start()
                 deadline = deadline_of(self.startup_timeout)
             for rank in range(self.world_size):
                 self._await_ready(rank, deadline)
-        except TimeoutError as e:
-            if self._leader is not None and len(self._leader.nodes) < self.nnodes - 1:
-                raise StartupError(str(e)) from None
+        except TimeoutError:
             raise StartupError(f"workers not ready within {self.startup_timeout} s "
                                f"(local workers alive: {self._workers.alive()})") from None
         except RingClosed:
-            raise StartupError(f"a worker died during start-up: {self._failure}") from None
+            raise StartupError(self._startup_failure()) from None
+
+    def _startup_failure(self) -> str:
+        """Why start-up failed: a worker's own report if one made it (its ring keeps
+        what was sent before the abort), else the death the monitor saw."""
+        for rank, rx in enumerate(self._receivers):
+            try:
+                reply = rx.get(0)
+            except (TimeoutError, RingClosed):
+                continue
+            if type(reply) is list and len(reply) == 4 and reply[1] == protocol.READY \
+                    and reply[2] != protocol.OK:
+                return f"worker rank {rank} failed to start:\n{getattr(reply[3], 'traceback', reply[3])}"
+        return f"a worker died during start-up: {self._failure}"
 
     def _worker_env(self, ifname: str | None) -> dict[str, str]:
         env = dict(self.extra_env)
-        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ and "GLOO_SOCKET_IFNAME" not in env:
             env["GLOO_SOCKET_IFNAME"] = ifname  # gloo would otherwise use the host name's address
         return env
 

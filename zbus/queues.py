@@ -65,14 +65,14 @@ RELEASE_LIMIT_S = 60.0  # how long a sent buffer may stay in ZeroMQ's hands
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str,
-                cancel: Any = None) -> None:
+                cancel: Any = None, wait_release: bool = True) -> list:
     """Send a multipart message; large frames go without a copy.
 
     ``deadline`` bounds the wait for ZeroMQ to take the message (then
     :class:`SendTimeout` with ``queued=False``: nothing was sent). Once taken, the
     send does not return while ZeroMQ still reads the caller's memory, so the
-    caller may change it afterwards; that wait is bounded by a set ``cancel``
-    event and by RELEASE_LIMIT_S (then ``SendTimeout(queued=True)``).
+    caller may change it afterwards (see :func:`wait_released`). With
+    ``wait_release=False`` the caller gets the trackers and must wait itself.
     """
     trackers = []
     last = len(frames) - 1
@@ -93,6 +93,14 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
                 sock.poll(100 if left is None else max(1, int(min(left, 0.1) * 1000)), zmq.POLLOUT)
         if big:
             trackers.append(t)
+    if wait_release:
+        wait_released(trackers, what, cancel)
+    return trackers
+
+
+def wait_released(trackers: list, what: str, cancel: Any = None) -> None:
+    """Wait until ZeroMQ no longer reads the sent buffers; bounded by a set
+    ``cancel`` event and by RELEASE_LIMIT_S (then ``SendTimeout(queued=True)``)."""
     limit = time.monotonic() + RELEASE_LIMIT_S
     for t in trackers:
         while not t.done:

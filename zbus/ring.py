@@ -275,7 +275,12 @@ class RingWriter(_Ring):
         self._pending = (pieces, total)
         try:
             self.flush(deadline, cancel, on_full)
-        except TimeoutError as e:
+        except (TimeoutError, Cancelled) as e:
+            # The rest goes later: copy it now, the caller may change its buffers.
+            rest, left = self._pending
+            self._pending = ([memoryview(bytes(p)) for p in rest], left)
+            if isinstance(e, Cancelled):
+                raise
             raise SendTimeout(str(e), queued=True) from None
 
     def flush(self, deadline: float | None = None, cancel: Any = None,

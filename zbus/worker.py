@@ -201,7 +201,7 @@ def main() -> None:
             worker = build_worker(spec, place)
         except BaseException as e:  # noqa: BLE001 - the driver shows it
             out.put([place["rank"], protocol.READY, protocol.RAISED, e])
-            return
+            raise SystemExit(1) from None
         out.put([place["rank"], protocol.READY, protocol.OK, {"pid": os.getpid()}])
 
         def put(reply: list) -> None:

@@ -1,0 +1,167 @@
+"""Forming a cluster on loopback: joins, start-up faults, late followers.
+
+Followers are real ``zbus follower`` processes (or, for a wrong protocol version,
+a raw ZeroMQ client speaking the join protocol); every fault must give a clear
+error naming the node, never a hang."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import workers
+import zmq
+from conftest import TEST_PATH, end_process
+
+import zbus
+from zbus import codec
+from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, node_topic
+
+
+def free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port pair")
+
+
+def follower(port: int, *args: str, nproc: int = 1) -> subprocess.Popen:
+    import os
+
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
+               ZBUS_NPROC_PER_NODE=str(nproc))
+    return subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--join-timeout", "60", *args],
+                            env=env, stderr=subprocess.PIPE, text=True)
+
+
+def leader(port: int, worker=workers.EchoWorker, nnodes: int = 3, **kw) -> zbus.Executor:
+    return zbus.Executor(worker, nnodes=nnodes, nproc_per_node=1, master_addr="127.0.0.1",
+                         master_port=port, liveness_s=2.0, **kw)
+
+
+def test_follower_started_early_waits_and_one_that_joined_early_is_kept_alive():
+    port = free_port_pair()
+    early = follower(port, "--node-rank", "1")
+    late = None
+    try:
+        time.sleep(3.0)  # the follower waits for a leader that is not there yet
+        result = {}
+
+        def lead():
+            with leader(port, join_timeout=60) as ex:
+                result["values"] = ex.collective_rpc("rank_value", args=(1,), timeout=30)
+
+        t = threading.Thread(target=lead)
+        t.start()
+        time.sleep(5.0)  # node 1 joined long ago: more than twice the 2 s liveness limit
+        late = follower(port, "--node-rank", "2")
+        t.join(90)
+        assert result["values"] == [10, 11, 12]
+        assert early.wait(30) == 0 and late.wait(30) == 0
+        assert "waiting for the leader" in early.stderr.read()
+    finally:
+        for p in (early, late):
+            if p is not None:
+                end_process(p)
+
+
+@pytest.mark.parametrize("fault,needle", [
+    ("duplicate_rank", "already taken"),
+    ("world_size", "every node needs 1"),
+])
+def test_start_up_faults_name_the_node_and_do_not_hang(fault, needle):
+    port = free_port_pair()
+    procs = []
+    try:
+        if fault == "duplicate_rank":
+            procs = [follower(port, "--node-rank", "1"), follower(port, "--node-rank", "1")]
+        else:
+            procs = [follower(port, "--node-rank", "1", nproc=2)]
+        t0 = time.monotonic()
+        with pytest.raises(zbus.StartupError, match=needle) as info:
+            leader(port, join_timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert socket.gethostname() in str(info.value)
+        refused = [p for p in procs if p.wait(30) == 1]
+        assert refused and "refused this node" in refused[0].stderr.read()
+    finally:
+        for p in procs:
+            end_process(p)
+
+
+def test_wrong_protocol_version_is_refused_by_name():
+    port = free_port_pair()
+    ctx = zmq.Context()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    node_id = "f" * 16
+    for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(node_id)):
+        sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    push.connect(f"tcp://127.0.0.1:{port + 1}")
+    info = {"version": 99, "nproc": 1, "host": "old-node", "address": "127.0.0.1", "node_rank": 1, "pid": 1}
+    stop = threading.Event()
+
+    def keep_joining():
+        while not stop.is_set():
+            push.send_multipart(codec.encode(["join", node_id, info]))
+            stop.wait(0.3)
+
+    t = threading.Thread(target=keep_joining)
+    t.start()
+    try:
+        with pytest.raises(zbus.StartupError, match="old-node speaks protocol 99"):
+            leader(port, nnodes=2, join_timeout=30)
+        got = None
+        while sub.poll(2000):
+            topic, *frames = sub.recv_multipart()
+            if topic == node_topic(node_id):
+                got = codec.decode(frames)
+                break
+        assert got is not None and got[0] == "reject" and "protocol 99" in got[1]
+    finally:
+        stop.set()
+        t.join(5)
+        ctx.destroy(linger=0)
+
+
+def test_worker_class_that_does_not_import_on_a_follower():
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with pytest.raises(zbus.StartupError, match="zbus_module_that_does_not_exist"):
+            leader(port, worker=workers.BrokenImportWorker, nnodes=2, join_timeout=60)
+        assert proc.wait(30) in (0, 1)
+    finally:
+        end_process(proc)
+
+
+def test_join_timeout_names_the_missing_node_ranks():
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "2")
+    try:
+        with pytest.raises(zbus.StartupError, match=r"missing node ranks: \[1\]"):
+            leader(port, join_timeout=3)
+    finally:
+        end_process(proc)
+
+
+def test_output_rank_may_be_any_rank_of_the_cluster():
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with leader(port, nnodes=2, output_rank=1, join_timeout=60) as ex:
+            assert ex.output_rank == 1
+            assert ex.collective_rpc("rank_value", args=(2,), unique_reply_rank=ex.output_rank) == 21
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
