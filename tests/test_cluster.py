@@ -165,3 +165,37 @@ def test_output_rank_may_be_any_rank_of_the_cluster():
         assert proc.wait(30) == 0
     finally:
         end_process(proc)
+
+
+def test_settings_come_from_zbus_then_leaderworkerset_variables(monkeypatch):
+    from zbus.cluster import ClusterSettings
+
+    for name in ("ZBUS_NNODES", "ZBUS_NPROC_PER_NODE", "ZBUS_MASTER_ADDR", "ZBUS_MASTER_PORT",
+                 "ZBUS_LIVENESS_S"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "lws-leader.ns.svc")
+    monkeypatch.setenv("LWS_GROUP_SIZE", "4")
+    s = ClusterSettings.resolve()
+    assert (s.nnodes, s.master_addr, s.master_port, s.liveness_s) == (4, "lws-leader.ns.svc", 29650, 10.0)
+    monkeypatch.setenv("ZBUS_NNODES", "2")
+    monkeypatch.setenv("ZBUS_MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("ZBUS_NPROC_PER_NODE", "8")
+    s = ClusterSettings.resolve()
+    assert (s.nnodes, s.master_addr, s.nproc_per_node) == (2, "10.1.2.3", 8)
+    assert ClusterSettings.resolve(nnodes=3, master_addr="h").nnodes == 3
+    monkeypatch.setenv("LWS_WORKER_INDEX", "3")
+    from zbus.agent import NodeAgent
+
+    agent = NodeAgent()
+    try:
+        assert agent.node_rank == 3 and agent.settings.master_addr == "10.1.2.3"
+    finally:
+        agent._close()
+
+
+def test_torch_rendezvous_port_comes_from_the_port_range(monkeypatch):
+    from zbus.executor import reserve_port
+
+    port = free_port_pair()
+    monkeypatch.setenv("ZBUS_PORT_RANGE", f"{port}-{port + 1}")
+    assert reserve_port("127.0.0.1") in (port, port + 1)

@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .cluster import ClusterSettings, Leader, resolve_ip, route_to
+from .cluster import ClusterSettings, Leader, port_range, resolve_ip, route_to
 from .errors import (
     Cancelled,
     ExecutorFailedError,
@@ -277,11 +277,19 @@ class InprocExecutor(Executor):
 
 
 def reserve_port(host: str) -> int:
-    """A free TCP port on ``host`` for torch.distributed's rendezvous (which binds
-    it itself in rank 0); zbus's own sockets bind port 0 directly instead."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free TCP port on ``host`` for torch.distributed's rendezvous, which binds
+    it itself in rank 0 (zbus's own sockets bind and read their port back). From
+    ``ZBUS_PORT_RANGE`` when set, so one firewall rule covers it."""
+    lo_hi = port_range()
+    candidates = range(lo_hi[0], lo_hi[1] + 1) if lo_hi else [0]
+    for port in candidates:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise ZbusError(f"no free port on {host} in ZBUS_PORT_RANGE={lo_hi[0]}-{lo_hi[1]}")
 
 
 def _visible_gpus() -> list[str]:
