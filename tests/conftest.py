@@ -4,6 +4,7 @@ process behind. Tests import worker classes from ``tests/workers.py``."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -52,6 +53,6 @@ def end_process(proc: psutil.Popen, timeout: float = 10) -> None:
     """End a process the test started, by pid: wait, then kill."""
     try:
         proc.wait(timeout)
-    except psutil.TimeoutExpired:
+    except (psutil.TimeoutExpired, subprocess.TimeoutExpired):
         proc.kill()
         proc.wait(5)

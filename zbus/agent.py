@@ -35,6 +35,7 @@ from .cluster import (
     route_to,
     touch_health,
 )
+from .curve import NodeCurve, curve_dir_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .executor import LocalWorkers
 from .queues import send_frames
@@ -56,13 +57,15 @@ class NodeAgent:
     def __init__(self, master_addr: str | None = None, master_port: int | None = None,
                  nproc_per_node: int | None = None, node_rank: int | None = None,
                  advertise_addr: str | None = None, join_timeout: float = 300.0,
-                 allow_import_calls: bool = False):
+                 allow_import_calls: bool = False, curve_dir: str | None = None):
         self.settings = ClusterSettings.resolve(None, nproc_per_node, master_addr, master_port)
         env_rank = os.environ.get("ZBUS_NODE_RANK") or os.environ.get("LWS_WORKER_INDEX")
         self.node_rank = node_rank if node_rank is not None else (int(env_rank) if env_rank else None)
         self.advertise_addr = advertise_addr or os.environ.get("ZBUS_ADVERTISE_ADDR")
         self.join_timeout = join_timeout
         self.allow_import_calls = allow_import_calls
+        self.curve_dir = curve_dir_from_env(curve_dir)
+        self.curve = NodeCurve(self.curve_dir) if self.curve_dir else None
         self.node_id = new_node_id()
         self.ctx = zmq.Context()
         self.sub: zmq.Socket | None = None
@@ -109,6 +112,8 @@ class NodeAgent:
         self.sub = self.ctx.socket(zmq.SUB)
         self.push = self.ctx.socket(zmq.PUSH)
         for sock in (self.sub, self.push):
+            if self.curve is not None:
+                self.curve.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -167,7 +172,8 @@ class NodeAgent:
         if self.ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
             env.setdefault("GLOO_SOCKET_IFNAME", self.ifname)
         self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
-                                    [{"push": welcome["reply_address"]}] * n, [self.ring.name],
+                                    [{"push": welcome["reply_address"], "curve_dir": self.curve_dir}] * n,
+                                    [self.ring.name],
                                     welcome["master_addr"], welcome["torch_port"], env, self._on_death)
         self.ring.send(codec.encode(spec), timeout=30)
         self._last_leader = time.monotonic()

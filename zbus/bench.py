@@ -62,24 +62,41 @@ def _stats(samples: list[float]) -> tuple[float, float]:
 
 
 def paired(a: Callable[[], None], b: Callable[[], None] | None, seconds: float,
-           block: int = 20) -> tuple[list[float], list[float]]:
-    """Time calls of ``a`` and ``b`` in alternating blocks for about ``seconds``."""
+           block: int = 20, cpu: tuple[Callable[[], float], Callable[[], float]] | None = None,
+           ) -> tuple[list[float], list[float]]:
+    """Time calls of ``a`` and ``b`` in alternating blocks for about ``seconds``.
+    With ``cpu`` (two functions giving each side's CPU seconds so far), the CPU
+    time per call of each side is left in ``paired.cpu_per_call``."""
     for f in (a, b):
         if f is not None:
             for _ in range(3):
                 f()
     sa: list[float] = []
     sb: list[float] = []
+    used = [0.0, 0.0]
     end = time.monotonic() + seconds
     while time.monotonic() < end or len(sa) < 5:
-        for f, out in ((a, sa), (b, sb)):
+        for side, (f, out) in enumerate(((a, sa), (b, sb))):
             if f is None:
                 continue
+            c0 = cpu[side]() if cpu else 0.0
             for _ in range(block):
                 t = time.perf_counter()
                 f()
                 out.append(time.perf_counter() - t)
+            if cpu:
+                used[side] += cpu[side]() - c0
+    paired.cpu_per_call = (used[0] / max(1, len(sa)), used[1] / max(1, len(sb)))
     return sa, sb
+
+
+def cpu_seconds(pids: list[int]) -> Callable[[], float]:
+    """CPU seconds (user + system) used so far by this process's calling thread
+    and the processes ``pids``."""
+    import psutil
+
+    procs = [psutil.Process(p) for p in pids]
+    return lambda: time.thread_time() + sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
 def row(scenario: str, case: str, sa: list[float], sb: list[float], baseline: str = "",
@@ -272,12 +289,17 @@ def bench_rpc(seconds: float) -> list[Row]:
                 base = PipeBaseline(n, all_reply=not unique)
                 try:
                     kw = {"unique_reply_rank": 0} if unique else {}
-                    sa, sb = paired(lambda kw=kw: ex.collective_rpc("noop", **kw), base.call, seconds)
+                    cpu = (cpu_seconds([p.pid for p in ex._workers.procs]),
+                           cpu_seconds([p.pid for p in base.procs]))
+                    sa, sb = paired(lambda kw=kw: ex.collective_rpc("noop", **kw), base.call, seconds,
+                                    cpu=cpu)
                 finally:
                     base.close()
                 what = "reply from rank 0" if unique else "all reply"
-                rows.append(row("rpc", f"no-op, {n} worker{'s' * (n > 1)}, {what}", sa, sb,
-                                "multiprocessing pipes"))
+                r = row("rpc", f"no-op, {n} worker{'s' * (n > 1)}, {what}", sa, sb, "multiprocessing pipes")
+                za, zb = paired.cpu_per_call
+                r.extra = {"CPU us/call": za * 1e6, "baseline CPU us/call": zb * 1e6}
+                rows.append(r)
     return rows
 
 

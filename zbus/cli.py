@@ -20,7 +20,15 @@ def _follower(args: argparse.Namespace) -> int:
     return NodeAgent(master_addr=args.master_addr, master_port=args.master_port,
                      nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                      advertise_addr=args.advertise_addr, join_timeout=args.join_timeout,
-                     allow_import_calls=args.allow_import_calls).run()
+                     allow_import_calls=args.allow_import_calls, curve_dir=args.curve_dir).run()
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from .curve import keygen
+
+    for folder in keygen(args.dir, args.nodes):
+        print(folder)
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -74,7 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
                      default=os.environ.get("ZBUS_ALLOW_IMPORT_CALLS") == "1",
                      help="let the leader call functions by import path 'pkg.mod:func' on this "
                      "node (ZBUS_ALLOW_IMPORT_CALLS=1); off by default")
+    fol.add_argument("--curve-dir", default=None,
+                     help="this node's key folder from 'zbus keygen' (ZBUS_CURVE_DIR): "
+                     "authenticated, encrypted links")
     fol.set_defaults(func=_follower)
+
+    keys = sub.add_parser("keygen", help="make CurveZMQ keys for a leader and its nodes", description=(
+        "Write DIR/leader (the leader's key pair and the public keys allowed to join) and "
+        "DIR/node-<i> (a node's key pair and the leader's public key). Give each host its "
+        "folder: the leader's Executor(curve_dir=...) or ZBUS_CURVE_DIR, each follower's "
+        "--curve-dir."))
+    keys.add_argument("dir", help="where to write the key folders")
+    keys.add_argument("--nodes", type=int, default=1, help="how many follower nodes (default 1)")
+    keys.set_defaults(func=_keygen)
 
     bench = sub.add_parser("bench", help="measure zbus beside baselines, in one run", description=(
         "Run the benchmark suite and print medians, p99 and the ratio to a baseline "

@@ -36,6 +36,7 @@ import psutil
 import zmq
 
 from . import codec
+from .curve import LeaderCurve, describe
 from .errors import CodecError, NodeLostError, RingClosed, SendTimeout, WorkerDiedError, ZbusError
 from .queues import Broadcaster, bind, deadline_of, remaining, send_frames, wait_released
 
@@ -186,14 +187,19 @@ class Leader:
     owns the PULL socket; the XPUB socket is shared under a lock."""
 
     def __init__(self, settings: ClusterSettings, broadcaster_factory: Callable[..., Broadcaster],
-                 on_failure: Callable[[Exception], None]):
+                 on_failure: Callable[[Exception], None], curve_dir: str | None = None):
         self.settings = settings
         self.ctx = zmq.Context()
         self.bind_ip = resolve_ip(settings.master_addr)
-        self.bcast = broadcaster_factory(host=self.bind_ip, port=settings.master_port, ctx=self.ctx)
+        self.curve = LeaderCurve(self.ctx, curve_dir) if curve_dir else None
+        configure = self.curve.server if self.curve else None
+        self.bcast = broadcaster_factory(host=self.bind_ip, port=settings.master_port, ctx=self.ctx,
+                                         configure=configure)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
+        if configure is not None:
+            configure(self.pull)
         bind(self.pull, self.bind_ip, settings.master_port + 1)
         self.xpub_lock = threading.RLock()  # the I/O thread sends welcomes while reading it
         self.nodes: dict[int, NodeInfo] = {}
@@ -209,8 +215,9 @@ class Leader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dropped = 0
-        log.warning("zbus leader on %s:%d-%d: links are not authenticated (no CurveZMQ keys)",
-                    self.bind_ip, settings.master_port, settings.master_port + 1)
+        (log.info if self.curve else log.warning)(
+            "zbus leader on %s:%d-%d: links are %s", self.bind_ip, settings.master_port,
+            settings.master_port + 1, describe(self.curve))
 
     # --- joining -------------------------------------------------------------------
 
@@ -501,6 +508,8 @@ class Leader:
         self.abort_receivers()
         self.pull.close(linger=0)
         self.bcast.close(linger_s=1.0 if bye else 0.0)
+        if self.curve is not None:
+            self.curve.close()
         self.ctx.term()
 
 

@@ -6,8 +6,11 @@
 ``ZBUS_SPIN_US``  how long a waiter spins before it yields; default: 50 us with
                more than 2 usable cores, else 0 (spinning steals the core the
                other side needs).
-``ZBUS_YIELD_US`` how long a waiter calls sched_yield before it sleeps on a
-               futex; default 0 with 2 usable cores or fewer, else 200.
+``ZBUS_YIELD_US`` how long a waiter then calls sched_yield, which runs whatever
+               else is ready on its core, before it sleeps on its doorbell;
+               default 200 us. A reply that lands in that window needs no
+               wake-up at all, and waking a sleeping process on another core
+               is what costs most (measured: docs/benchmarks.md).
 ``ZBUS_WAIT_SLICE`` longest single futex sleep in seconds (default 0.5). Wake-ups
                do not depend on it; it bounds how late a cancel event or a third
                party's abort is seen.
@@ -63,5 +66,5 @@ class WaitPolicy:
     def from_env(cls) -> WaitPolicy:
         many = usable_cores() > 2
         spin = float(os.environ.get("ZBUS_SPIN_US", 50 if many else 0)) / 1e6
-        yld = float(os.environ.get("ZBUS_YIELD_US", 200 if many else 0)) / 1e6
+        yld = float(os.environ.get("ZBUS_YIELD_US", 200)) / 1e6
         return cls(spin, yld, float(os.environ.get("ZBUS_WAIT_SLICE", 0.5)))

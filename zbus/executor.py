@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
 from .cluster import ClusterSettings, Leader, port_range, resolve_ip, route_to
+from .curve import curve_dir_from_env
 from .errors import (
     Cancelled,
     ExecutorFailedError,
@@ -428,7 +429,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, worker: WorkerSpec, *, nnodes: int | None = None,
                  nproc_per_node: int | None = None, master_addr: str | None = None,
                  master_port: int | None = None, liveness_s: float | None = None,
-                 join_timeout: float = 300.0, **kwargs: Any):
+                 join_timeout: float = 300.0, curve_dir: str | None = None, **kwargs: Any):
         kwargs.pop("backend", None)
         self.settings = ClusterSettings.resolve(nnodes, nproc_per_node, master_addr, master_port,
                                                 liveness_s)
@@ -440,6 +441,7 @@ class MultiprocExecutor(Executor):
         self.worker_path = _worker_path(worker)
         self.master_addr = self.settings.master_addr
         self.join_timeout = join_timeout
+        self.curve_dir = curve_dir_from_env(curve_dir)
         self._seq = 0
         self._pending: collections.deque[RpcFuture] = collections.deque()
         self._send_lock = threading.Lock()
@@ -460,7 +462,7 @@ class MultiprocExecutor(Executor):
         shm.sweep_stale()
         n, s = self.nproc_per_node, self.settings
         if self.nnodes > 1:
-            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail)
+            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail, self.curve_dir)
             self._bcast = self._leader.bcast
             torch_port = reserve_port(self._leader.bind_ip)
             ifname = route_to(self._leader.bind_ip)[1]

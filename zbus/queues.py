@@ -133,7 +133,8 @@ class Broadcaster:
 
     def __init__(self, n_local: int, host: str | None = None, port: int = 0,
                  port_range: tuple[int, int] | None = None, ctx: zmq.Context | None = None,
-                 ring: RingWriter | None = None):
+                 ring: RingWriter | None = None,
+                 configure: Callable[[zmq.Socket], None] | None = None):
         self.ring = ring if ring is not None else (RingWriter.create(n_local) if n_local else None)
         self.xpub: zmq.Socket | None = None
         self.port = 0
@@ -144,6 +145,8 @@ class Broadcaster:
             self.xpub.setsockopt(zmq.XPUB_NODROP, 1)
             self.xpub.setsockopt(zmq.SNDHWM, 64)
             self.xpub.setsockopt(zmq.LINGER, 0)
+            if configure is not None:  # e.g. CurveZMQ keys, which must precede bind
+                configure(self.xpub)
             self.port = bind(self.xpub, host, port, port_range)
 
     @property
@@ -219,8 +222,11 @@ class ShmReceiver:
 class ZmqSender:
     """PUSH side of a remote response queue: connects to the reader's address."""
 
-    def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64):
+    def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64,
+                 configure: Callable[[zmq.Socket], None] | None = None):
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUSH)
+        if configure is not None:  # e.g. CurveZMQ keys, which must precede connect
+            configure(self.sock)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
         if "[" in address:  # tcp://[v6 address]:port

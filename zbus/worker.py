@@ -194,7 +194,13 @@ def main() -> None:
     death.start()
     bcast = RingReader.attach(place["bcast"], place["local_rank"])
     resp = place["resp"]  # local ranks: a ring handle; remote ranks: the leader's PULL address
-    out = ZmqSender(resp["push"]) if "push" in resp else ShmSender(resp)
+    if "push" in resp:
+        from .curve import NodeCurve
+
+        curve = NodeCurve(resp["curve_dir"]) if resp.get("curve_dir") else None
+        out: Any = ZmqSender(resp["push"], configure=curve.client if curve else None)
+    else:
+        out = ShmSender(resp)
     try:
         spec = codec.decode(bcast.recv())
         try:

@@ -1,0 +1,131 @@
+"""Authenticated links and hostile input, on loopback clusters."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import subprocess
+import time
+
+import pytest
+import workers
+import zmq
+from conftest import end_process
+from test_cluster import follower, free_port_pair
+
+import zbus
+from zbus import codec
+from zbus.curve import keygen
+
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+
+
+def test_keygen_writes_one_folder_per_host_with_private_secrets(tmp_path):
+    folders = keygen(str(tmp_path), nodes=2)
+    assert [os.path.basename(f) for f in folders] == ["leader", "node-1", "node-2"]
+    assert sorted(os.listdir(tmp_path / "leader" / "authorized")) == ["node-1.key", "node-2.key"]
+    assert sorted(os.listdir(tmp_path / "node-1")) == ["leader.key", "node.key", "node.key_secret"]
+    for secret in (tmp_path / "leader" / "leader.key_secret", tmp_path / "node-2" / "node.key_secret"):
+        assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    # a node folder holds no other host's secret
+    assert not any(n.endswith("_secret") and n != "node.key_secret" for n in os.listdir(tmp_path / "node-1"))
+
+
+def test_keyed_cluster_works_and_nodes_without_listed_keys_are_refused(tmp_path):
+    keygen(str(tmp_path / "keys"), nodes=1)
+    keygen(str(tmp_path / "other"), nodes=1)
+    leader_dir = str(tmp_path / "keys" / "leader")
+    port = free_port_pair()
+    good = follower(port, "--node-rank", "1", "--curve-dir", str(tmp_path / "keys" / "node-1"))
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, curve_dir=leader_dir, join_timeout=60) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+        assert good.wait(30) == 0
+    finally:
+        end_process(good)
+    for args in ([], ["--curve-dir", str(tmp_path / "other" / "node-1")]):  # no keys; unlisted keys
+        port = free_port_pair()
+        stranger = follower(port, "--node-rank", "1", *args)
+        try:
+            with pytest.raises(zbus.StartupError, match=r"missing node ranks: \[1\]"):
+                zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                              master_port=port, curve_dir=leader_dir, join_timeout=4)
+        finally:
+            end_process(stranger, timeout=1)
+
+
+def test_unauthenticated_leader_warns_once_and_binds_only_its_address(caplog):
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with caplog.at_level(logging.WARNING, logger="zbus.cluster"):
+            with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                               master_port=port, join_timeout=60) as ex:
+                import psutil
+
+                listening = {c.laddr for c in psutil.net_connections("tcp")
+                             if c.status == "LISTEN" and c.laddr.port in (port, port + 1)}
+                assert {a.ip for a in listening} == {"127.0.0.1"}
+                ex.collective_rpc("noop", timeout=30)
+        warnings = [r for r in caplog.records if "not authenticated" in r.getMessage()]
+        assert len(warnings) == 1
+    finally:
+        end_process(proc)
+
+
+def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    ctx = zmq.Context()
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, join_timeout=60) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            # 1. raw bytes that are not ZeroMQ at all, on both ports
+            for p in (port, port + 1):
+                with socket.create_connection(("127.0.0.1", p), timeout=5) as raw:
+                    raw.sendall(os.urandom(4096))
+            # 2. well-framed ZeroMQ messages with bad contents
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(f"tcp://127.0.0.1:{port + 1}")
+            header = codec.encode(["hb", 1])[0]
+            bad = [[b"\xc1garbage"], [header[:-1]], [b"\x93\x01\x02"],  # invalid, truncated, wrong shape
+                   codec.encode({"not": "a list"}), codec.encode([7, 1, 0, None]),  # reply for a bad rank
+                   codec.encode(["join", "x" * 16, {"version": "evil"}]),
+                   codec.encode(["died", 99, 1, 0]), codec.encode(["no-such-kind"]),
+                   [b"\x92\xd4\x63\x00\x01"],  # unknown extension type
+                   [b"x" * 100, b"y"]]  # a frame that claims nothing
+            for msg in bad:
+                push.send_multipart(msg)
+            for _ in range(5000):  # a flood
+                push.send_multipart([b"\xc1flood"])
+            deadline = time.monotonic() + 20
+            while ex._leader.dropped < len(bad) - 2 + 5000 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert ex._leader.dropped >= 5000
+            # the cluster serves on, with its member list unchanged
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+            ex.check_health()
+            push.close()
+        assert proc.wait(30) == 0
+    finally:
+        ctx.destroy(linger=0)
+        end_process(proc)
+
+
+def test_follower_exposes_no_port():
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        time.sleep(1.0)
+        import psutil
+
+        listening = [c for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid == proc.pid]
+        assert listening == []
+    finally:
+        proc.send_signal(subprocess.signal.SIGTERM)
+        end_process(proc)
