@@ -199,3 +199,37 @@ def test_torch_rendezvous_port_comes_from_the_port_range(monkeypatch):
     port = free_port_pair()
     monkeypatch.setenv("ZBUS_PORT_RANGE", f"{port}-{port + 1}")
     assert reserve_port("127.0.0.1") in (port, port + 1)
+
+
+def test_status_of_a_running_leader_and_its_prometheus_metrics():
+    import json
+    import os
+    import urllib.request
+
+    port, metrics_port = free_port_pair(), free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with leader(port, nnodes=2, join_timeout=60, metrics_port=metrics_port) as ex:
+            for i in range(20):
+                ex.collective_rpc("rank_value", args=(i,), timeout=30)
+            with pytest.raises(zbus.RemoteError):
+                ex.collective_rpc("boom", timeout=30)
+            cmd = [sys.executable, "-m", "zbus.cli", "status", "--master-addr", "127.0.0.1",
+                   "--master-port", str(port)]
+            env = dict(os.environ, PYTHONPATH=TEST_PATH)
+            out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60, env=env)
+            st = json.loads(out.stdout)
+            assert st["world_size"] == 2 and st["rpcs"] == 21 and st["errors"] == {"RemoteError": 1}
+            assert [n["node_rank"] for n in st["nodes"]] == [0, 1] and st["nodes"][1]["ranks"] == [1]
+            assert 0 < st["latency_s"]["p50"] <= st["latency_s"]["p99"] and st["bytes_sent"] > 0
+            text = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env).stdout
+            assert "world size 2" in text and "node 1" in text and "rpcs 21" in text
+            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+            assert b"zbus_rpcs_total 21" in body and b'zbus_rpc_errors_total{kind="RemoteError"} 1' in body
+        assert proc.wait(30) == 0
+        gone = subprocess.run([sys.executable, "-m", "zbus.cli", "status", "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "--timeout", "1"], capture_output=True,
+                              text=True, timeout=60)
+        assert gone.returncode == 1 and "no leader answered" in gone.stderr
+    finally:
+        end_process(proc)

@@ -11,7 +11,8 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                    master_addr=args.master_addr, master_port=args.master_port, steps=args.steps)
+                    master_addr=args.master_addr, master_port=args.master_port, steps=args.steps,
+                    metrics_port=args.metrics_port)
 
 
 def _follower(args: argparse.Namespace) -> int:
@@ -21,6 +22,40 @@ def _follower(args: argparse.Namespace) -> int:
                      nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                      advertise_addr=args.advertise_addr, join_timeout=args.join_timeout,
                      allow_import_calls=args.allow_import_calls, curve_dir=args.curve_dir).run()
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from .cluster import ClusterSettings, query_status
+    from .curve import curve_dir_from_env
+
+    s = ClusterSettings.resolve(master_addr=args.master_addr, master_port=args.master_port)
+    try:
+        status = query_status(s.master_addr, s.master_port, args.timeout, curve_dir_from_env(args.curve_dir))
+    except TimeoutError as e:
+        print(f"zbus status: {e}. Is the leader running, and are --master-addr/--master-port "
+              "its address and first port?", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(st: dict) -> str:
+    us = lambda v: "-" if v is None else f"{v * 1e6:.0f} us"  # noqa: E731
+    lat = st["latency_s"]
+    lines = [f"world size {st['world_size']}, output rank {st['output_rank']}, "
+             f"up {st['uptime_s']:.0f} s" + (f", FAILED: {st['failed']}" if st["failed"] else ""),
+             f"rpcs {st['rpcs']}  latency p50 {us(lat['p50'])}  p90 {us(lat['p90'])}  p99 {us(lat['p99'])}"
+             f"  bytes sent {st['bytes_sent']}",
+             f"errors {st['errors'] or 'none'}  dropped frames {st['dropped_frames']}", "nodes:"]
+    for n in st["nodes"]:
+        hb = f"  last heartbeat {n['last_heartbeat_s']:.1f} s ago" if "last_heartbeat_s" in n else ""
+        lines.append(f"  node {n['node_rank']}  {n['host']:<16} ranks {n['ranks'][0]}..{n['ranks'][-1]}{hb}")
+    return "\n".join(lines)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -57,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--master-port", type=int, default=None,
                       help="first of the leader's two ports (ZBUS_MASTER_PORT, default 29650)")
     demo.add_argument("--steps", type=int, default=200, help="decode-like steps (default 200)")
+    demo.add_argument("--metrics-port", type=int, default=None,
+                      help="serve Prometheus metrics on this port (ZBUS_METRICS_PORT; needs "
+                      "prometheus-client)")
     demo.set_defaults(func=_demo)
 
     fol = sub.add_parser("follower", help="run this host as a follower node of a cluster", description=(
@@ -95,6 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("dir", help="where to write the key folders")
     keys.add_argument("--nodes", type=int, default=1, help="how many follower nodes (default 1)")
     keys.set_defaults(func=_keygen)
+
+    status = sub.add_parser("status", help="ask a running leader for its nodes, ranks and RPC figures",
+                            description="Print a running leader's world size, nodes and their ranks, "
+                            "uptime, RPC count, latency percentiles, errors and dropped frames.")
+    status.add_argument("--master-addr", default=None, help="the leader (ZBUS_MASTER_ADDR)")
+    status.add_argument("--master-port", type=int, default=None,
+                        help="the leader's first port (ZBUS_MASTER_PORT, default 29650)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default 10)")
+    status.add_argument("--curve-dir", default=None, help="a node key folder, when the leader uses keys")
+    status.set_defaults(func=_status)
 
     bench = sub.add_parser("bench", help="measure zbus beside baselines, in one run", description=(
         "Run the benchmark suite and print medians, p99 and the ratio to a baseline "

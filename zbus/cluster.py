@@ -38,6 +38,7 @@ import zmq
 from . import codec
 from .curve import LeaderCurve, describe
 from .errors import CodecError, NodeLostError, RingClosed, SendTimeout, WorkerDiedError, ZbusError
+from .metrics import Metrics
 from .queues import Broadcaster, bind, deadline_of, remaining, send_frames, wait_released
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
 # so a node's answer proves both subscriptions are in place at the leader.
 PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
+STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 DEFAULT_MASTER_PORT = 29650
 
 
@@ -187,7 +189,8 @@ class Leader:
     owns the PULL socket; the XPUB socket is shared under a lock."""
 
     def __init__(self, settings: ClusterSettings, broadcaster_factory: Callable[..., Broadcaster],
-                 on_failure: Callable[[Exception], None], curve_dir: str | None = None):
+                 on_failure: Callable[[Exception], None], curve_dir: str | None = None,
+                 metrics: Metrics | None = None, status: Callable[[], dict] | None = None):
         self.settings = settings
         self.ctx = zmq.Context()
         self.bind_ip = resolve_ip(settings.master_addr)
@@ -214,7 +217,8 @@ class Leader:
         self._welcome_spec: dict = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.dropped = 0
+        self.metrics = metrics or Metrics()
+        self._status = status
         (log.info if self.curve else log.warning)(
             "zbus leader on %s:%d-%d: links are %s", self.bind_ip, settings.master_port,
             settings.master_port + 1, describe(self.curve))
@@ -261,7 +265,7 @@ class Leader:
 
     def _on_join(self, node_id: Any, info: Any) -> None:
         if type(node_id) is not str or not isinstance(info, dict):
-            self.dropped += 1
+            self.metrics.dropped()
             log.warning("dropped a malformed join request")
             return
         if node_id in self._probing or any(n.node_id == node_id for n in self.nodes.values()):
@@ -397,11 +401,11 @@ class Leader:
             frames = [f.buffer for f in self.pull.recv_multipart(copy=False)]
             msg = codec.decode(frames)
         except (CodecError, zmq.ZMQError) as e:
-            self.dropped += 1
+            self.metrics.dropped()
             log.warning("dropped a malformed message from the network: %s", e)
             return None
         if type(msg) is not list or not msg:
-            self.dropped += 1
+            self.metrics.dropped()
             log.warning("dropped a message of the wrong shape: %s", str(msg)[:100])
             return None
         return msg
@@ -451,7 +455,7 @@ class Leader:
         if type(kind) is int:
             receiver = self.receivers.get(kind)
             if receiver is None or len(msg) != 4:
-                self.dropped += 1
+                self.metrics.dropped()
                 log.warning("dropped a reply for unknown rank %r", kind)
                 return
             with self.cond:
@@ -461,6 +465,7 @@ class Leader:
             node = self.nodes.get(msg[1]) if type(msg[1]) is int else None
             if node is not None:
                 node.last_seen = time.monotonic()
+                self.metrics.heartbeat(node.node_rank)
         elif kind == "died" and len(msg) == 4 and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
             self._fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
@@ -468,8 +473,10 @@ class Leader:
             self._on_join(msg[1], msg[2])
         elif kind == "subscribed" and len(msg) == 2:
             self._on_subscribed(msg[1])
+        elif kind == "status" and len(msg) == 2:
+            self._answer_status(msg[1])
         else:
-            self.dropped += 1
+            self.metrics.dropped()
             log.warning("dropped an unknown control message %r", str(kind)[:50])
 
     def _check_liveness(self, now: float) -> None:
@@ -486,6 +493,17 @@ class Leader:
                 send_frames(self.bcast.xpub, [TOPIC_RPC, *frames], deadline, "broadcast to nodes")
             finally:
                 self.xpub_lock.release()
+
+    @property
+    def dropped(self) -> int:
+        """Messages from the network dropped as malformed or unexpected."""
+        return self.metrics.dropped_frames
+
+    def _answer_status(self, token: Any) -> None:
+        if type(token) is not str or not 0 < len(token) <= 64 or self._status is None:
+            self.metrics.dropped()
+            return
+        self._send(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0)
 
     def announce_stop(self) -> None:
         """Tell the agents that their workers are about to be stopped, so they do
@@ -516,3 +534,37 @@ class Leader:
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
+
+
+def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
+                 curve_dir: str | None = None) -> dict:
+    """Ask a running leader for its status (``zbus status``): subscribe to an
+    answer topic of our own, then ask on the leader's PULL port until it answers."""
+    from .curve import NodeCurve
+
+    token = secrets.token_hex(8)
+    ip = resolve_ip(master_addr)
+    ctx = zmq.Context()
+    try:
+        sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+        for sock in (sub, push):
+            if curve_dir:
+                NodeCurve(curve_dir).client(sock)
+            sock.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, STATUS_TOPIC + token.encode())
+        sub.connect(f"tcp://{_bracket(ip)}:{master_port}")
+        push.connect(f"tcp://{_bracket(ip)}:{master_port + 1}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                send_frames(push, codec.encode(["status", token]), time.monotonic() + 0.5, "status")
+            except TimeoutError:
+                pass
+            if sub.poll(500, zmq.POLLIN):
+                _, *frames = sub.recv_multipart()
+                msg = codec.decode(frames)
+                if type(msg) is list and len(msg) == 2 and msg[0] == "status":
+                    return msg[1]
+        raise TimeoutError(f"no leader answered at {master_addr}:{master_port} within {timeout} s")
+    finally:
+        ctx.destroy(linger=0)

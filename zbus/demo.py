@@ -126,7 +126,8 @@ def _start_local_followers(nnodes: int, nproc: int, port: int) -> list[Any]:
 
 
 def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, master_addr: str | None = None,
-             master_port: int | None = None, steps: int = 200, out: Any = sys.stdout) -> int:
+             master_port: int | None = None, steps: int = 200, out: Any = sys.stdout,
+             metrics_port: int | None = None) -> int:
     """Run the demo. With no ``nnodes``, a whole cluster on this machine: this
     process leads, and two ``zbus follower`` processes join it over TCP on
     loopback. With ``nnodes``, lead a cluster whose followers run elsewhere."""
@@ -147,7 +148,7 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
     t0 = time.perf_counter()
     try:
         with Executor(TransformerShardWorker, nnodes=nnodes, nproc_per_node=nproc_per_node,
-                      master_addr=master_addr, master_port=master_port) as ex:
+                      master_addr=master_addr, master_port=master_port, metrics_port=metrics_port) as ex:
             say(f"cluster of {ex.world_size} ranks ready in {time.perf_counter() - t0:.2f} s")
             ok = _drive(ex, steps, say, _Progress(out, "steps", steps), torch)
         for f in followers:

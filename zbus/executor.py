@@ -34,6 +34,7 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
+from .metrics import Metrics, serve_prometheus
 from .queues import Broadcaster, ShmReceiver, deadline_of, remaining
 from .worker import Worker, import_object
 
@@ -54,6 +55,9 @@ class RpcFuture(concurrent.futures.Future):
 
     def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool):
         super().__init__()
+        started = time.perf_counter()
+        self.add_done_callback(lambda f: executor.metrics.rpc_done(
+            time.perf_counter() - started, f.exception(0)))
         self._executor = executor
         self.seq = seq
         self.reply_ranks = list(reply_ranks)
@@ -148,6 +152,7 @@ class Executor:
         self.allow_import_calls = allow_import_calls
         self.extra_env = dict(env or {})
         self._failure: ExecutorFailedError | None = None
+        self.metrics = Metrics()
         self._callbacks: list[Callable[[], None]] = []
         self._state_lock = threading.Lock()
         self._closed = False
@@ -160,6 +165,17 @@ class Executor:
         """Run ``method`` on every rank. Returns the replies in rank order, or the
         reply of ``unique_reply_rank`` alone; with ``non_block`` a Future of that."""
         raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        """What ``zbus status`` shows: world size, nodes, RPC counts and latency."""
+        return {"world_size": self.world_size, "output_rank": self.output_rank,
+                "failed": str(self._failure) if self._failure else None,
+                "nodes": self._nodes_status(), **self.metrics.snapshot()}
+
+    def _nodes_status(self) -> list[dict[str, Any]]:
+        import socket as _socket
+
+        return [{"node_rank": 0, "host": _socket.gethostname(), "ranks": list(range(self.world_size))}]
 
     def check_health(self) -> None:
         """Raise the executor's failure if it failed; else return None."""
@@ -429,7 +445,8 @@ class MultiprocExecutor(Executor):
     def __init__(self, worker: WorkerSpec, *, nnodes: int | None = None,
                  nproc_per_node: int | None = None, master_addr: str | None = None,
                  master_port: int | None = None, liveness_s: float | None = None,
-                 join_timeout: float = 300.0, curve_dir: str | None = None, **kwargs: Any):
+                 join_timeout: float = 300.0, curve_dir: str | None = None,
+                 metrics_port: int | None = None, **kwargs: Any):
         kwargs.pop("backend", None)
         self.settings = ClusterSettings.resolve(nnodes, nproc_per_node, master_addr, master_port,
                                                 liveness_s)
@@ -442,6 +459,9 @@ class MultiprocExecutor(Executor):
         self.master_addr = self.settings.master_addr
         self.join_timeout = join_timeout
         self.curve_dir = curve_dir_from_env(curve_dir)
+        port = metrics_port or os.environ.get("ZBUS_METRICS_PORT")
+        self.metrics_port = int(port) if port else None
+        self._metrics_server: Any = None
         self._seq = 0
         self._pending: collections.deque[RpcFuture] = collections.deque()
         self._send_lock = threading.Lock()
@@ -462,7 +482,8 @@ class MultiprocExecutor(Executor):
         shm.sweep_stale()
         n, s = self.nproc_per_node, self.settings
         if self.nnodes > 1:
-            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail, self.curve_dir)
+            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail, self.curve_dir,
+                                  self.metrics, self.status)
             self._bcast = self._leader.bcast
             torch_port = reserve_port(self._leader.bind_ip)
             ifname = route_to(self._leader.bind_ip)[1]
@@ -493,6 +514,9 @@ class MultiprocExecutor(Executor):
                 deadline = deadline_of(self.startup_timeout)
             for rank in range(self.world_size):
                 self._await_ready(rank, deadline)
+            if self.metrics_port:
+                self._metrics_server = serve_prometheus(self.metrics, self.metrics_port,
+                                                        resolve_ip(self.master_addr))
         except TimeoutError:
             raise StartupError(f"workers not ready within {self.startup_timeout} s "
                                f"(local workers alive: {self._workers.alive()})") from None
@@ -511,6 +535,17 @@ class MultiprocExecutor(Executor):
                     and reply[2] != protocol.OK:
                 return f"worker rank {rank} failed to start:\n{getattr(reply[3], 'traceback', reply[3])}"
         return f"a worker died during start-up: {self._failure}"
+
+    def _nodes_status(self) -> list[dict[str, Any]]:
+        n = self.nproc_per_node
+        nodes = super()._nodes_status()
+        nodes[0]["ranks"] = list(range(n))
+        if self._leader is not None:
+            for node in sorted(self._leader.nodes.values(), key=lambda x: x.node_rank):
+                nodes.append({"node_rank": node.node_rank, "host": node.host, "address": node.address,
+                              "ranks": list(range(node.node_rank * n, (node.node_rank + 1) * n)),
+                              "last_heartbeat_s": round(time.monotonic() - node.last_seen, 3)})
+        return nodes
 
     def _worker_env(self, ifname: str | None) -> dict[str, str]:
         env = dict(self.extra_env)
@@ -561,6 +596,7 @@ class MultiprocExecutor(Executor):
                                      unique_reply_rank if unique else -1, len(payload)]), *payload]
             fut = RpcFuture(self, self._seq, ranks, unique)
             self._pending.append(fut)
+            self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
             try:
                 self._publish(frames, deadline)
             except SendTimeout as e:
@@ -667,6 +703,11 @@ class MultiprocExecutor(Executor):
             rx.close()
         for h in self._resp_handles:
             shm.unlink(h.name)
+        if self._metrics_server is not None:
+            server = self._metrics_server[0] if isinstance(self._metrics_server, tuple) else None
+            if server is not None:
+                server.shutdown()
+                server.server_close()
         if self._leader is not None:
             self._leader.close()
         elif self._bcast is not None:

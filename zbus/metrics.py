@@ -1,0 +1,124 @@
+"""Counters and histograms of a leader: RPCs, their latency and bytes, errors by
+kind, heartbeats, dropped hostile frames. Read by ``zbus status`` and, when asked
+for, served to Prometheus (``prometheus-client``, an optional dependency)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from typing import Any
+
+# Latency buckets (seconds): 10 us .. ~80 s, x2 apart.
+BUCKETS = tuple(10e-6 * 2**i for i in range(24))
+
+
+class Histogram:
+    """Fixed buckets; percentiles interpolate within a bucket's bounds."""
+
+    def __init__(self, bounds: tuple[float, ...] = BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def percentile(self, q: float) -> float | None:
+        if not self.n:
+            return None
+        rank, seen = q * self.n, 0
+        for i, c in enumerate(self.counts):
+            if seen + c >= rank and c:
+                lo = self.bounds[i - 1] if i else 0.0
+                hi = self.bounds[i] if i < len(self.bounds) else self.bounds[-1] * 2
+                return lo + (hi - lo) * (rank - seen) / c
+            seen += c
+        return self.bounds[-1]
+
+
+class Metrics:
+    """Thread-safe; one per leader."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.rpcs = 0
+        self.errors: dict[str, int] = {}
+        self.bytes_sent = 0
+        self.latency = Histogram()
+        self.heartbeats: dict[int, int] = {}
+        self.dropped_frames = 0
+
+    def rpc_done(self, seconds: float, error: BaseException | None) -> None:
+        with self._lock:
+            self.rpcs += 1
+            self.latency.observe(seconds)
+            if error is not None:
+                kind = type(error).__name__
+                self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def sent(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_sent += nbytes
+
+    def heartbeat(self, node_rank: int) -> None:
+        with self._lock:
+            self.heartbeats[node_rank] = self.heartbeats.get(node_rank, 0) + 1
+
+    def dropped(self, n: int = 1) -> None:
+        with self._lock:
+            self.dropped_frames += n
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            pct = {f"p{int(q * 100)}": self.latency.percentile(q) for q in (0.5, 0.9, 0.99)}
+            return {"uptime_s": time.time() - self.started, "rpcs": self.rpcs,
+                    "errors": dict(self.errors), "bytes_sent": self.bytes_sent,
+                    "latency_s": pct, "latency_buckets": list(zip(BUCKETS, self.latency.counts)),
+                    "heartbeats": dict(self.heartbeats), "dropped_frames": self.dropped_frames}
+
+
+def serve_prometheus(metrics: Metrics, port: int, addr: str, describe: Any = None) -> Any:
+    """Expose ``metrics`` on http://addr:port/metrics; needs ``prometheus-client``."""
+    try:
+        from prometheus_client import start_http_server
+        from prometheus_client.core import (
+            CollectorRegistry,
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+    except ImportError as e:
+        raise ImportError("metrics_port needs prometheus-client: pip install prometheus-client") from e
+
+    class Collector:
+        def collect(self):  # noqa: ANN202 - prometheus-client's protocol
+            snap = metrics.snapshot()
+            yield CounterMetricFamily("zbus_rpcs", "collective_rpc calls completed", value=snap["rpcs"])
+            errors = CounterMetricFamily("zbus_rpc_errors", "failed calls by error type", labels=["kind"])
+            for kind, n in snap["errors"].items():
+                errors.add_metric([kind], n)
+            yield errors
+            yield CounterMetricFamily("zbus_bytes_sent", "RPC bytes published", value=snap["bytes_sent"])
+            cum, buckets = 0, []
+            for bound, count in snap["latency_buckets"]:
+                cum += count
+                buckets.append((repr(bound), cum))
+            buckets.append(("+Inf", metrics.latency.n))
+            yield HistogramMetricFamily("zbus_rpc_latency_seconds", "collective_rpc round trip",
+                                        buckets=buckets, sum_value=metrics.latency.total)
+            hb = CounterMetricFamily("zbus_heartbeats", "heartbeats received", labels=["node"])
+            for node, n in snap["heartbeats"].items():
+                hb.add_metric([str(node)], n)
+            yield hb
+            yield CounterMetricFamily("zbus_dropped_frames", "hostile or malformed messages dropped",
+                                      value=snap["dropped_frames"])
+            yield GaugeMetricFamily("zbus_uptime_seconds", "leader uptime", value=snap["uptime_s"])
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    return start_http_server(port, addr=addr, registry=registry)
