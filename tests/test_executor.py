@@ -147,6 +147,9 @@ def test_worker_sigkill_mid_call_fails_pending_and_later_calls():
         assert time.monotonic() - t0 < 0.1
         with pytest.raises(zbus.WorkerDiedError):
             ex.check_health()
+        deadline = time.monotonic() + 1.0  # the callback runs right after waiters are woken
+        while not failed and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert failed == [True]
         late = []
         ex.register_failure_callback(lambda: late.append(True))
