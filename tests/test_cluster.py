@@ -39,7 +39,7 @@ def follower(port: int, *args: str, nproc: int = 1) -> subprocess.Popen:
     import os
 
     env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
-               ZBUS_NPROC_PER_NODE=str(nproc))
+               ZBUS_NPROC_PER_NODE=str(nproc), ZBUS_ALLOW_WORKERS="workers")
     return subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--join-timeout", "60", *args],
                             env=env, stderr=subprocess.PIPE, text=True)
 
@@ -231,5 +231,35 @@ def test_status_of_a_running_leader_and_its_prometheus_metrics():
                                "--master-port", str(port), "--timeout", "1"], capture_output=True,
                               text=True, timeout=60)
         assert gone.returncode == 1 and "no leader answered" in gone.stderr
+    finally:
+        end_process(proc)
+
+
+def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_environment():
+    import os
+
+    port = free_port_pair()
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
+               ZBUS_NPROC_PER_NODE="1")
+    env.pop("ZBUS_ALLOW_WORKERS", None)
+    strict = subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", "1"], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(zbus.StartupError, match="refused to start the workers"):
+            leader(port, nnodes=2, join_timeout=60)
+        assert strict.wait(30) == 1 and "--allow-worker" in strict.stderr.read()
+    finally:
+        end_process(strict)
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")  # allows "workers"; import-path calls stay off
+    try:
+        with leader(port, nnodes=2, join_timeout=60,
+                    env={"LD_PRELOAD": "/nonexistent.so", "ZBUS_TEST_VALUE": "x", "MY_SETTING": "ok"}) as ex:
+            infos = ex.collective_rpc("env_of", args=(["LD_PRELOAD", "MY_SETTING"],), timeout=30)
+            assert infos[0] == {"LD_PRELOAD": "/nonexistent.so", "MY_SETTING": "ok"}  # the leader's own
+            assert infos[1] == {"LD_PRELOAD": None, "MY_SETTING": "ok"}  # a follower drops the risky one
+            with pytest.raises(zbus.ZbusError, match="rank 1: .*disabled on this node"):
+                ex.collective_rpc("workers:add_rank", args=(1,), timeout=30)
+        assert proc.wait(30) == 0
     finally:
         end_process(proc)

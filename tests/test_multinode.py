@@ -36,7 +36,7 @@ def start_followers(c: NetnsCluster, ranked: bool = True) -> list:
         argv, env = compose.service(node.name)
         if not ranked:
             del env["ZBUS_NODE_RANK"]
-        procs.append(node.start(argv, env=dict(env, PYTHONPATH=TEST_PATH)))
+        procs.append(node.start(argv, env=dict(env, PYTHONPATH=TEST_PATH, ZBUS_ALLOW_WORKERS="workers")))
     return procs
 
 

@@ -33,6 +33,9 @@ class EchoWorker(zbus.Worker):
     def noop(self):
         return None
 
+    def env_of(self, names):
+        return {n: os.environ.get(n) for n in names}
+
     def rank_value(self, x):
         return x * 10 + self.rank
 

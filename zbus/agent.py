@@ -44,7 +44,10 @@ from .ring import RingWriter
 log = logging.getLogger(__name__)
 
 
-BACKLOG_MESSAGES = 1024  # read ahead at most this many messages while the ring is full
+BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BYTES)
+BACKLOG_BYTES = 256 * 2**20  # while the ring is full
+DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
+RISKY_ENV = ("LD_", "DYLD_", "PYTHON", "ZBUS_")
 
 
 class LeaderLost(ZbusError):
@@ -57,13 +60,16 @@ class NodeAgent:
     def __init__(self, master_addr: str | None = None, master_port: int | None = None,
                  nproc_per_node: int | None = None, node_rank: int | None = None,
                  advertise_addr: str | None = None, join_timeout: float = 300.0,
-                 allow_import_calls: bool = False, curve_dir: str | None = None):
+                 allow_import_calls: bool = False, curve_dir: str | None = None,
+                 allowed_workers: tuple[str, ...] | None = None):
         self.settings = ClusterSettings.resolve(None, nproc_per_node, master_addr, master_port)
         env_rank = os.environ.get("ZBUS_NODE_RANK") or os.environ.get("LWS_WORKER_INDEX")
         self.node_rank = node_rank if node_rank is not None else (int(env_rank) if env_rank else None)
         self.advertise_addr = advertise_addr or os.environ.get("ZBUS_ADVERTISE_ADDR")
         self.join_timeout = join_timeout
         self.allow_import_calls = allow_import_calls
+        env_allowed = tuple(p for p in os.environ.get("ZBUS_ALLOW_WORKERS", "").split(",") if p)
+        self.allowed_workers = DEFAULT_ALLOWED_WORKERS + tuple(allowed_workers or ()) + env_allowed
         self.curve_dir = curve_dir_from_env(curve_dir)
         self.curve = NodeCurve(self.curve_dir) if self.curve_dir else None
         self.node_id = new_node_id()
@@ -74,6 +80,7 @@ class NodeAgent:
         self.workers: LocalWorkers | None = None
         self._deaths: list[tuple[int, int | None]] = []
         self._backlog: collections.deque = collections.deque()
+        self._backlog_bytes = 0
         self._probes_seen: set[bytes] | None = set()
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
@@ -119,8 +126,8 @@ class NodeAgent:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self.sub.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
         self.push.setsockopt(zmq.SNDHWM, 1000)
-        # RPC and heartbeat topics first: once the leader sees our node topic, the
-        # earlier subscriptions on this same connection are in place too.
+        # The leader welcomes us on our node topic, then probes the RPC and heartbeat
+        # topics until we answer: so we miss no RPC (see zbus.cluster).
         for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(self.node_id)):
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(f"tcp://{_bracket(master_ip)}:{s.master_port}")
@@ -168,9 +175,8 @@ class NodeAgent:
         places = [{"rank": self.node_rank * n + i, "local_rank": i, "world_size": world,
                    "local_world_size": n, "node_rank": self.node_rank} for i in range(n)]
         spec = dict(welcome["spec"], allow_import=self.allow_import_calls)
-        env = dict(welcome.get("env") or {})  # the driver's Executor(env=...)
-        if self.ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
-            env.setdefault("GLOO_SOCKET_IFNAME", self.ifname)
+        self._check_worker(spec.get("worker"))
+        env = self._worker_env(welcome.get("env") or {})  # the driver's Executor(env=...)
         self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
                                     [{"push": welcome["reply_address"], "curve_dir": self.curve_dir}] * n,
                                     [self.ring.name],
@@ -179,6 +185,34 @@ class NodeAgent:
         self._last_leader = time.monotonic()
         log.info("node %d: %d workers started (ranks %d..%d)", self.node_rank, n,
                  places[0]["rank"], places[-1]["rank"])
+
+    def _check_worker(self, worker: Any) -> None:
+        """A leader without CurveZMQ keys is not authenticated: it may only start
+        the worker classes this node's operator allowed (imported by name)."""
+        if self.curve is not None:
+            return
+        module = worker.partition(":")[0] if isinstance(worker, str) else ""
+        if not any(worker == p or module == p or module.startswith(p + ".") for p in self.allowed_workers):
+            reason = (f"worker class {worker!r} is not allowed on this node: an unauthenticated "
+                      "leader may only start the classes allowed with --allow-worker "
+                      f"(now: {', '.join(self.allowed_workers)}); or trust the leader with keys "
+                      "(zbus keygen)")
+            self._send(["refused", self.node_id, reason], timeout=1.0)
+            raise ZbusError(reason)
+
+    def _worker_env(self, env: dict) -> dict:
+        """The driver's env for this node's workers; from an unauthenticated leader
+        without the variables that change what a process loads or runs."""
+        env = {str(k): str(v) for k, v in env.items()}
+        if self.curve is None:
+            risky = [k for k in env if k.startswith(RISKY_ENV) or k == "PATH"]
+            for k in risky:
+                del env[k]
+            if risky:
+                log.warning("ignored %s from an unauthenticated leader", ", ".join(sorted(risky)))
+        if self.ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env.setdefault("GLOO_SOCKET_IFNAME", self.ifname)
+        return env
 
     def _serve(self) -> int:
         poller = zmq.Poller()
@@ -192,7 +226,7 @@ class NodeAgent:
                 self._report_deaths()
             if self.sub in events or self._backlog:
                 while self._backlog or self.sub.poll(0, zmq.POLLIN):
-                    frames = self._backlog.popleft() if self._backlog else self._read()
+                    frames = self._take()
                     topic = frames[0].bytes
                     if topic == TOPIC_RPC:
                         self._relay([f.buffer for f in frames[1:]])
@@ -220,11 +254,21 @@ class NodeAgent:
         self._last_leader = time.monotonic()
         return frames
 
+    def _take(self) -> list:
+        if not self._backlog:
+            return self._read()
+        frames = self._backlog.popleft()
+        self._backlog_bytes -= sum(len(f) for f in frames)
+        return frames
+
     def _read_ahead(self) -> None:
         """While a relay waits for slow workers, keep reading what the leader sends
         (bounded), so its heartbeats are seen and this node is not given up."""
-        while len(self._backlog) < BACKLOG_MESSAGES and self.sub.poll(0, zmq.POLLIN):
-            self._backlog.append(self._read())
+        while (len(self._backlog) < BACKLOG_MESSAGES and self._backlog_bytes < BACKLOG_BYTES
+               and self.sub.poll(0, zmq.POLLIN)):
+            frames = self._read()
+            self._backlog_bytes += sum(len(f) for f in frames)
+            self._backlog.append(frames)
 
     def _relay(self, frames: list) -> None:
         try:

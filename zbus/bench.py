@@ -531,8 +531,9 @@ def _run_nodes(nnodes: int, seconds: float, use_netns: bool) -> list[Row]:
     code = "import sys, json; from zbus.bench import nodes_driver; nodes_driver(*json.loads(sys.argv[1]))"
     if not use_netns:
         env["ZBUS_MASTER_ADDR"] = "127.0.0.1"
-        followers = [subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(r)],
-                                      env=dict(os.environ, **env)) for r in range(1, nnodes)]
+        followers = [subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(r),
+                                       "--allow-worker", "zbus.bench"], env=dict(os.environ, **env))
+                     for r in range(1, nnodes)]
         args = [nnodes, seconds, "127.0.0.1", [], "lo"]
         try:
             out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
@@ -544,8 +545,8 @@ def _run_nodes(nnodes: int, seconds: float, use_netns: bool) -> list[Row]:
     with netns.NetnsCluster(nnodes) as c:
         env["ZBUS_MASTER_ADDR"] = "leader"
         for node in c.nodes[1:]:
-            node.start([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(node.index)],
-                       env=env)
+            node.start([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(node.index),
+                        "--allow-worker", "zbus.bench"], env=env)
         args = [nnodes, seconds, c.nodes[0].address, [n.sentinel.pid for n in c.nodes], "eth0"]
         proc = c.nodes[0].python("-c", code, json.dumps(args), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)

@@ -21,7 +21,8 @@ def _follower(args: argparse.Namespace) -> int:
     return NodeAgent(master_addr=args.master_addr, master_port=args.master_port,
                      nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                      advertise_addr=args.advertise_addr, join_timeout=args.join_timeout,
-                     allow_import_calls=args.allow_import_calls, curve_dir=args.curve_dir).run()
+                     allow_import_calls=args.allow_import_calls, curve_dir=args.curve_dir,
+                     allowed_workers=tuple(args.allow_worker)).run()
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -120,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                      default=os.environ.get("ZBUS_ALLOW_IMPORT_CALLS") == "1",
                      help="let the leader call functions by import path 'pkg.mod:func' on this "
                      "node (ZBUS_ALLOW_IMPORT_CALLS=1); off by default")
+    fol.add_argument("--allow-worker", action="append", default=[], metavar="MODULE[:CLASS]",
+                     help="a worker class (or module) an unauthenticated leader may start here; "
+                     "repeatable; also ZBUS_ALLOW_WORKERS=a,b (zbus.demo is always allowed; with "
+                     "--curve-dir the authenticated leader may start any)")
     fol.add_argument("--curve-dir", default=None,
                      help="this node's key folder from 'zbus keygen' (ZBUS_CURVE_DIR): "
                      "authenticated, encrypted links")

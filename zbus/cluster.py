@@ -37,7 +37,15 @@ import zmq
 
 from . import codec
 from .curve import LeaderCurve, describe
-from .errors import CodecError, NodeLostError, RingClosed, SendTimeout, WorkerDiedError, ZbusError
+from .errors import (
+    CodecError,
+    ExecutorFailedError,
+    NodeLostError,
+    RingClosed,
+    SendTimeout,
+    WorkerDiedError,
+    ZbusError,
+)
 from .metrics import Metrics
 from .queues import Broadcaster, bind, deadline_of, remaining, send_frames, wait_released
 
@@ -193,17 +201,26 @@ class Leader:
                  metrics: Metrics | None = None, status: Callable[[], dict] | None = None):
         self.settings = settings
         self.ctx = zmq.Context()
-        self.bind_ip = resolve_ip(settings.master_addr)
-        self.curve = LeaderCurve(self.ctx, curve_dir) if curve_dir else None
-        configure = self.curve.server if self.curve else None
-        self.bcast = broadcaster_factory(host=self.bind_ip, port=settings.master_port, ctx=self.ctx,
-                                         configure=configure)
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
-        if configure is not None:
-            configure(self.pull)
-        bind(self.pull, self.bind_ip, settings.master_port + 1)
+        self.curve: LeaderCurve | None = None
+        try:
+            self.bind_ip = resolve_ip(settings.master_addr)
+            self.curve = LeaderCurve(self.ctx, curve_dir) if curve_dir else None
+            configure = self.curve.server if self.curve else None
+            self.bcast = broadcaster_factory(host=self.bind_ip, port=settings.master_port, ctx=self.ctx,
+                                             configure=configure)
+            self.pull = self.ctx.socket(zmq.PULL)
+            self.pull.setsockopt(zmq.LINGER, 0)
+            self.pull.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
+            if configure is not None:
+                configure(self.pull)
+            bind(self.pull, self.bind_ip, settings.master_port + 1)
+        except BaseException:  # a port in use, bad keys: leave no thread, socket or ring behind
+            if getattr(self, "bcast", None) is not None:
+                self.bcast.close()
+            if self.curve is not None:
+                self.curve.close()
+            self.ctx.destroy(linger=0)
+            raise
         self.xpub_lock = threading.RLock()  # the I/O thread sends welcomes while reading it
         self.nodes: dict[int, NodeInfo] = {}
         self.cond = threading.Condition()
@@ -279,9 +296,8 @@ class Leader:
         self._welcome_ready()
 
     def _welcome_ready(self) -> None:
-        """Welcome the joins whose node topic subscription has arrived: the RPC and
-        heartbeat topics, subscribed before it on the same connection, are then
-        in place too, so the node misses nothing."""
+        """Welcome the joins whose node topic subscription has arrived (the welcome
+        goes on that topic); probes then check the node's other subscriptions."""
         for node_id in [n for n in self._joins if node_topic(n) in self._subscribed]:
             self._welcome(node_id, self._joins.pop(node_id))
 
@@ -311,6 +327,15 @@ class Leader:
             self._probing[node_id] = node
         else:  # its next join tries again
             log.warning("welcome to %s not sent: retrying on its next join", node.host)
+
+    def _on_refused(self, node_id: Any, reason: Any) -> None:
+        """A welcomed node would not start the workers (see zbus.agent)."""
+        node = self._probing.get(node_id) if type(node_id) is str else None
+        if node is None:
+            self.metrics.dropped()
+            return
+        self._fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
+                                       f"workers: {str(reason)[:500]}"))
 
     def _on_subscribed(self, node_id: Any) -> None:
         node = self._probing.pop(node_id, None)
@@ -426,13 +451,9 @@ class Leader:
                     self._check_liveness(time.monotonic())
                     touch_health()
                 wait_ms = int(max(0.0, next_hb - time.monotonic()) * 1000) + 1
+                self._read_subscriptions()
                 if not self.formed:
                     wait_ms = min(wait_ms, 50)
-                    with self.xpub_lock:
-                        while self.bcast.xpub.poll(0, zmq.POLLIN):
-                            msg = self.bcast.xpub.recv()
-                            if msg[:1] == b"\x01":
-                                self._on_subscription(msg[1:])
                     self._probe()
                 if self.pull.poll(wait_ms, zmq.POLLIN):
                     while self.pull.poll(0, zmq.POLLIN):
@@ -440,6 +461,22 @@ class Leader:
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 self._fail(ZbusError(f"leader I/O failed: {e}"))
+
+    def _read_subscriptions(self) -> None:
+        """Take the XPUB socket's subscription notices (a node topic means a node
+        can be welcomed). Read even once formed, so strangers cannot pile them up.
+        Non-blocking: other threads send on this socket under the same lock."""
+        if not self.xpub_lock.acquire(timeout=0.01):
+            return
+        try:
+            for _ in range(1000):
+                if not self.bcast.xpub.poll(0, zmq.POLLIN):
+                    break
+                msg = self.bcast.xpub.recv()
+                if msg[:1] == b"\x01" and not self.formed:
+                    self._on_subscription(msg[1:])
+        finally:
+            self.xpub_lock.release()
 
     def _fail(self, error: Exception) -> None:
         with self.cond:
@@ -473,6 +510,8 @@ class Leader:
             self._on_join(msg[1], msg[2])
         elif kind == "subscribed" and len(msg) == 2:
             self._on_subscribed(msg[1])
+        elif kind == "refused" and len(msg) == 3:
+            self._on_refused(msg[1], msg[2])
         elif kind == "status" and len(msg) == 2:
             self._answer_status(msg[1])
         else:

@@ -11,7 +11,7 @@
                default 200 us. A reply that lands in that window needs no
                wake-up at all, and waking a sleeping process on another core
                is what costs most (measured: docs/benchmarks.md).
-``ZBUS_WAIT_SLICE`` longest single futex sleep in seconds (default 0.5). Wake-ups
+``ZBUS_WAIT_SLICE`` longest single doorbell sleep in seconds (default 0.5). Wake-ups
                do not depend on it; it bounds how late a cancel event or a third
                party's abort is seen.
 """

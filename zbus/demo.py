@@ -116,13 +116,15 @@ class _Progress:
             print(f"{self.label}: {done}/{self.total} {note}", file=self.out, flush=True)
 
 
-def _start_local_followers(nnodes: int, nproc: int, port: int) -> list[Any]:
+def _start_local_followers(nnodes: int, nproc: int, port: int, keys: str | None) -> list[Any]:
     import subprocess
 
     env = dict(os.environ, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
                ZBUS_NPROC_PER_NODE=str(nproc))
-    return [subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(r)],
-                             env=env, stdin=subprocess.DEVNULL) for r in range(1, nnodes)]
+    env.pop("ZBUS_CURVE_DIR", None)
+    key_args = lambda r: ["--curve-dir", os.path.join(keys, f"node-{r}")] if keys else []  # noqa: E731
+    return [subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(r),
+                              *key_args(r)], env=env, stdin=subprocess.DEVNULL) for r in range(1, nnodes)]
 
 
 def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, master_addr: str | None = None,
@@ -139,17 +141,30 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
     nproc_per_node = nproc_per_node or int(os.environ.get("ZBUS_NPROC_PER_NODE") or 2)
     local = nnodes is None
     followers: list[Any] = []
-    if local:
+    keys = curve_dir = None
+    if local:  # a whole cluster here, its links keyed with fresh CurveZMQ keys
+        import tempfile
+
+        import zmq
+
         nnodes, master_addr = 3, "127.0.0.1"
         master_port = _free_port_pair(master_addr)
-        followers = _start_local_followers(nnodes, nproc_per_node, master_port)
+        if zmq.has("curve"):
+            from .curve import keygen
+
+            keys = tempfile.mkdtemp(prefix="zbus-demo-keys-")
+            keygen(keys, nnodes - 1)
+            curve_dir = os.path.join(keys, "leader")
+        followers = _start_local_followers(nnodes, nproc_per_node, master_port, keys)
     say(f"zbus demo: {nnodes} nodes x {nproc_per_node} workers, a transformer block "
         f"(dim {DIM}, {HEADS} heads) sharded over {nnodes * nproc_per_node} ranks")
     t0 = time.perf_counter()
     try:
         with Executor(TransformerShardWorker, nnodes=nnodes, nproc_per_node=nproc_per_node,
-                      master_addr=master_addr, master_port=master_port, metrics_port=metrics_port) as ex:
-            say(f"cluster of {ex.world_size} ranks ready in {time.perf_counter() - t0:.2f} s")
+                      master_addr=master_addr, master_port=master_port, metrics_port=metrics_port,
+                      **({"curve_dir": curve_dir} if curve_dir else {})) as ex:
+            say(f"cluster of {ex.world_size} ranks ready in {time.perf_counter() - t0:.2f} s"
+                + (" (links keyed with fresh CurveZMQ keys)" if curve_dir else ""))
             ok = _drive(ex, steps, say, _Progress(out, "steps", steps), torch)
         for f in followers:
             f.wait(30)
@@ -159,6 +174,10 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
             if f.poll() is None:
                 f.kill()
                 f.wait()
+        if keys:
+            import shutil
+
+            shutil.rmtree(keys, ignore_errors=True)
 
 
 def _drive(ex: Any, steps: int, say: Any, progress: _Progress, torch: Any) -> bool:

@@ -4,7 +4,9 @@ Broadcast (driver -> every worker), encoded with :mod:`zbus.codec`:
 
 - the first message: the worker spec, ``{"worker": "pkg.mod:Cls", "kwargs": {...},
   "allow_import": bool}``;
-- ``[CALL, seq, method, args, kwargs, reply_rank]`` (reply_rank -1: every rank);
+- a call: the envelope ``[CALL, seq, method, reply_rank, n]`` as one frame, then
+  the ``n`` frames of ``(args, kwargs)``, encoded apart so that arguments a worker
+  cannot decode are answered with the error (reply_rank -1: every rank replies);
 - ``[STOP]``.
 
 Reply (one worker -> the driver): ``[rank, seq, status, value]``; the READY reply
