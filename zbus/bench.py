@@ -6,10 +6,11 @@ alternating blocks, so a noisy machine slows both alike; the table shows medians
 p99 and the ratio zbus/baseline, pair by pair. ``--json PATH`` writes every row.
 
 Scenarios: ``ring`` (raw ring broadcast vs pyzmq ipc), ``rpc`` (no-op
-collective_rpc, 1/2/4 workers, vs multiprocessing pipes), ``payload`` (bytes and
-tensors 1 KiB..64 MiB to 2 workers, vs pyzmq ipc and memcpy), ``nodes`` (2 and 3
-nodes, relay vs direct fan-out, vs pyzmq TCP request/reply), ``idle`` (CPU of an
-idle worker, wake-up after idle), ``import`` (``import zbus`` time).
+collective_rpc, 1/2/4 workers, vs multiprocessing pipes, with CPU per call),
+``payload`` (bytes and tensors 1 KiB..64 MiB to 2 workers, vs pyzmq ipc and
+memcpy), ``nodes`` (2 and 3 nodes, relay vs direct fan-out, vs pyzmq TCP
+request/reply, leader egress), ``curve`` (CurveZMQ vs no keys), ``idle`` (CPU of
+an idle worker, wake-up after idle), ``import`` (``import zbus`` time).
 """
 
 from __future__ import annotations
@@ -554,6 +555,52 @@ def _run_nodes(nnodes: int, seconds: float, use_netns: bool) -> list[Row]:
         return _parse_rows(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
 
 
+def bench_curve(seconds: float) -> list[Row]:
+    """The cost of CurveZMQ: two 2-node clusters on loopback, one keyed, one not,
+    measured in alternating blocks: no-op and 16 MiB round trips."""
+    import tempfile
+
+    import torch
+    import zmq
+
+    from .curve import keygen
+    from .demo import _free_port_pair
+    from .executor import Executor
+
+    if not zmq.has("curve"):
+        return []
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="zbus-bench-keys-") as keys:
+        keygen(keys, 1)
+        ports = [_free_port_pair("127.0.0.1") for _ in range(2)]
+        base = [sys.executable, "-m", "zbus.cli", "follower", "--node-rank", "1", "--allow-worker",
+                "zbus.bench"]
+        env = dict(os.environ, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_NPROC_PER_NODE="1")
+        followers = [subprocess.Popen([*base, "--curve-dir", os.path.join(keys, "node-1")],
+                                      env=dict(env, ZBUS_MASTER_PORT=str(ports[0]))),
+                     subprocess.Popen(base, env=dict(env, ZBUS_MASTER_PORT=str(ports[1])))]
+        try:
+            with Executor(BenchWorker, nnodes=2, master_addr="127.0.0.1", master_port=ports[0],
+                          curve_dir=os.path.join(keys, "leader")) as keyed, \
+                    Executor(BenchWorker, nnodes=2, master_addr="127.0.0.1", master_port=ports[1]) as plain:
+                for size in (0, 16 * MiB):
+                    args = (torch.zeros(size // 4),) if size else ()
+                    method = "size" if size else "noop"
+                    sa, sb = paired(
+                        lambda m=method, a=args: keyed.collective_rpc(m, args=a, unique_reply_rank=1),
+                        lambda m=method, a=args: plain.collective_rpc(m, args=a, unique_reply_rank=1),
+                        seconds, block=2 if size else 20)
+                    what = "16 MiB broadcast" if size else "no-op round trip"
+                    rows.append(row("curve", f"2 nodes, {what}, CurveZMQ", sa, sb, "no keys (same run)"))
+        finally:
+            for f in followers:
+                try:
+                    f.wait(30)
+                except subprocess.TimeoutExpired:
+                    f.kill()
+    return rows
+
+
 def _parse_rows(out: subprocess.CompletedProcess) -> list[Row]:
     if out.returncode != 0:
         raise RuntimeError(f"nodes benchmark failed:\n{out.stderr[-3000:]}")
@@ -566,7 +613,7 @@ def _size(n: int) -> str:
 
 SCENARIOS: dict[str, Callable[[float], list[Row]]] = {
     "ring": bench_ring, "rpc": bench_rpc, "payload": bench_payload, "nodes": bench_nodes,
-    "idle": bench_idle,
+    "curve": bench_curve, "idle": bench_idle,
     "import": lambda seconds: bench_import(),
 }
 

@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure zbus beside baselines, in one run", description=(
         "Run the benchmark suite and print medians, p99 and the ratio to a baseline "
         "measured in the same run (alternating blocks). Scenarios: ring, rpc, payload, "
-        "nodes, idle, import (default: all)."))
+        "nodes, curve, idle, import (default: all)."))
     bench.add_argument("scenarios", nargs="*", help="which scenarios (default: all)")
     bench.add_argument("--seconds", type=float, default=2.0,
                        help="measuring time per pair of figures (default 2)")
