@@ -263,3 +263,42 @@ def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_envir
         assert proc.wait(30) == 0
     finally:
         end_process(proc)
+
+
+def test_a_follower_workers_death_fails_the_executor_quickly():
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1", nproc=2)
+    try:
+        ex = zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=2, master_addr="127.0.0.1",
+                           master_port=port, liveness_s=2.0, join_timeout=60)
+        try:
+            t0 = time.monotonic()
+            pending = ex.collective_rpc("die", kwargs={"rank": 3}, non_block=True)  # the others wait
+            with pytest.raises(zbus.WorkerDiedError) as info:
+                pending.result(timeout=20)
+            assert time.monotonic() - t0 < 1.5
+            assert info.value.rank == 3 and "node 1" in str(info.value)
+            with pytest.raises(zbus.WorkerDiedError):
+                ex.collective_rpc("noop", timeout=5)
+        finally:
+            ex.shutdown()
+        assert proc.wait(30) == 0  # the leader still said bye to the live node
+    finally:
+        end_process(proc)
+
+
+def test_a_join_after_the_cluster_formed_is_refused():
+    port = free_port_pair()
+    first = follower(port, "--node-rank", "1")
+    late = None
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            late = follower(port)
+            assert late.wait(30) == 1
+            assert "already formed" in late.stderr.read()
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+        assert first.wait(30) == 0
+    finally:
+        for p in (first, late):
+            if p is not None:
+                end_process(p)
