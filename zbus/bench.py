@@ -339,6 +339,16 @@ def bench_payload(seconds: float) -> list[Row]:
                         r.extra["memcpy GB/s"] = size / memcpy_seconds(size) / 1e9
                         r.extra["x memcpy"] = r.extra["GB/s"] / r.extra["memcpy GB/s"]
                     rows.append(r)
+            pipes = PipeBaseline(2, all_reply=False)
+            try:
+                for size in (MiB, 16 * MiB):
+                    data, raw = torch.zeros(size // 4), bytes(size)
+                    sa, sb = paired(lambda d=data: ex.collective_rpc("size", args=(d,), unique_reply_rank=0),
+                                    lambda r=raw: pipes.call(r), seconds / 2, block=2)
+                    rows.append(row("payload", f"{_size(size)} tensor to 2 workers", sa, sb,
+                                    "multiprocessing pipes"))
+            finally:
+                pipes.close()
     finally:
         zb.close()
     return rows
