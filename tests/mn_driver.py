@@ -71,6 +71,25 @@ def lost() -> None:
                 host=getattr(e, "host", None), message=str(e), later_fails_at_once=fast)
 
 
+def blip() -> None:
+    """Calls with checksums, non-stop for 8 s, while the test cuts a link briefly."""
+    import random
+    import zlib
+
+    rng = random.Random(5)
+    with executor() as ex:
+        ex.collective_rpc("noop", timeout=30)
+        out(ready=True)
+        calls = bad = 0
+        end = time.monotonic() + 8
+        while time.monotonic() < end:
+            payload = rng.randbytes(rng.randint(0, 200_000))
+            replies = ex.collective_rpc("crc", args=(calls, payload), timeout=30)
+            bad += sum(tuple(r) != (calls, zlib.crc32(payload)) for r in replies)
+            calls += 1
+        out(calls=calls, bad=bad, error=None)
+
+
 def hold() -> None:
     with executor() as ex:
         ex.collective_rpc("noop", timeout=30)
@@ -79,4 +98,4 @@ def hold() -> None:
 
 
 if __name__ == "__main__":
-    {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold}[sys.argv[1]]()
+    {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip}[sys.argv[1]]()

@@ -265,7 +265,8 @@ def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_envir
         end_process(proc)
 
 
-def test_a_follower_workers_death_fails_the_executor_quickly():
+@pytest.mark.parametrize("how,code", [("kill", -9), ("abort", -6)])
+def test_a_follower_workers_death_fails_the_executor_quickly(how, code):
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1", nproc=2)
     try:
@@ -273,11 +274,11 @@ def test_a_follower_workers_death_fails_the_executor_quickly():
                            master_port=port, liveness_s=2.0, join_timeout=60)
         try:
             t0 = time.monotonic()
-            pending = ex.collective_rpc("die", kwargs={"rank": 3}, non_block=True)  # the others wait
+            pending = ex.collective_rpc("die", kwargs={"rank": 3, "how": how}, non_block=True)  # others wait
             with pytest.raises(zbus.WorkerDiedError) as info:
                 pending.result(timeout=20)
             assert time.monotonic() - t0 < 1.5
-            assert info.value.rank == 3 and "node 1" in str(info.value)
+            assert info.value.rank == 3 and info.value.exitcode == code and "node 1" in str(info.value)
             with pytest.raises(zbus.WorkerDiedError):
                 ex.collective_rpc("noop", timeout=5)
         finally:
@@ -302,3 +303,19 @@ def test_a_join_after_the_cluster_formed_is_refused():
         for p in (first, late):
             if p is not None:
                 end_process(p)
+
+
+def test_a_hung_follower_worker_times_the_call_out_within_its_limit():
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                ex.collective_rpc("sleep", args=(3,), timeout=1.0)
+            assert time.monotonic() - t0 < 1.5
+            ex.check_health()  # a hang is not a failure: the executor stays usable
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)

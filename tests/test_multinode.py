@@ -128,6 +128,20 @@ def test_lost_node_raises_node_lost_within_the_limit(cluster, fault):
         assert node.pids() == [] and node.shm_segments() == [], node.name
 
 
+def test_link_cut_shorter_than_the_limit_loses_nothing(cluster):
+    followers = start_followers(cluster)
+    proc = driver(cluster, "blip")
+    assert read_json(proc)["ready"]
+    time.sleep(1.0)
+    cluster.nodes[2].link(up=False)
+    time.sleep(LIVENESS / 3)  # 1 s down, the limit is 3 s
+    cluster.nodes[2].link(up=True)
+    r = read_json(proc, timeout=60)
+    print(f"link cut for {LIVENESS / 3:.1f} s: {r['calls']} calls, {r['bad']} bad")
+    assert r["error"] is None and r["bad"] == 0 and r["calls"] > 10
+    assert wait_exit([proc, *followers], 30) == [0, 0, 0]
+
+
 def test_leader_sigkill_leaves_no_process_and_no_shared_memory(cluster):
     followers = start_followers(cluster)
     proc = driver(cluster, "hold")

@@ -33,6 +33,11 @@ class EchoWorker(zbus.Worker):
     def noop(self):
         return None
 
+    def crc(self, seq, payload):
+        import zlib
+
+        return seq, zlib.crc32(payload)
+
     def env_of(self, names):
         return {n: os.environ.get(n) for n in names}
 

@@ -450,7 +450,8 @@ class BufferPool:
     """
 
     MIN_BYTES = 256 * 1024
-    KEEP = 4
+    KEEP = 4  # buffers, and at most KEEP_BYTES of them (the smallest are dropped first)
+    KEEP_BYTES = 96 * 2**20
 
     def __init__(self) -> None:
         self._buffers: list[bytearray] = []
@@ -458,17 +459,20 @@ class BufferPool:
     def take(self, n: int) -> memoryview:
         if n < self.MIN_BYTES:
             return memoryview(bytearray(n))
-        size = 1 << (n - 1).bit_length()
+        best = None
         for i in range(len(self._buffers)):
             b = self._buffers[i]
             # references: the list, ``b`` here and getrefcount's argument
-            if len(b) == size and sys.getrefcount(b) == 3:
-                self._buffers.append(self._buffers.pop(i))  # most recently used last
-                return memoryview(b)[:n]
-        b = bytearray(size)
+            if len(b) >= n and sys.getrefcount(b) == 3 and (best is None or len(b) < len(best)):
+                best = b
+            del b
+        if best is not None:  # the smallest free buffer that fits: already faulted in
+            return memoryview(best)[:n]
+        b = bytearray(1 << (n - 1).bit_length())
         self._buffers.append(b)
-        if len(self._buffers) > self.KEEP:
-            self._buffers.pop(0)  # still safe: views keep the object alive
+        while len(self._buffers) > self.KEEP or (
+                len(self._buffers) > 1 and sum(map(len, self._buffers)) > self.KEEP_BYTES):
+            self._buffers.remove(min(self._buffers, key=len))  # views keep dropped ones alive
         return memoryview(b)[:n]
 
 
