@@ -628,6 +628,66 @@ SCENARIOS: dict[str, Callable[[float], list[Row]]] = {
 }
 
 
+def plot_svg(rows: list[Row], path: str) -> None:
+    """Latency against payload size (log-log), zbus beside its baselines, from the
+    ``payload`` rows: a plain SVG file, no plotting library needed."""
+    import math
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r.scenario != "payload" or r.baseline != "pyzmq ipc":
+            continue
+        size_text, kind = r.case.split(" ")[:2], r.case.split(" ")[2]
+        size = int(size_text[0]) * (MiB if size_text[1] == "MiB" else KiB)
+        series.setdefault(f"zbus, {kind}", []).append((size, r.median_us))
+        if kind == "tensor":
+            series.setdefault("raw pyzmq ipc, bytes", []).append((size, r.baseline_median_us))
+            if "memcpy GB/s" in r.extra:
+                series.setdefault("one memcpy (same size)", []).append(
+                    (size, size / (r.extra["memcpy GB/s"] * 1e9) * 1e6))
+    if not series:
+        raise ValueError("no payload rows to plot: run the 'payload' scenario")
+    w, h, left, bottom, top, right = 720, 440, 70, 50, 30, 190
+    xs = [x for pts in series.values() for x, _ in pts]
+    ys = [y for pts in series.values() for _, y in pts]
+    lx = (math.log10(min(xs)), math.log10(max(xs)))
+    ly = (math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys))))
+    px = lambda x: left + (math.log10(x) - lx[0]) / (lx[1] - lx[0]) * (w - left - right)  # noqa: E731
+    py = lambda y: h - bottom - (math.log10(y) - ly[0]) / (ly[1] - ly[0]) * (h - top - bottom)  # noqa: E731
+    colors = ["#1f5fbf", "#7fa8e8", "#d9534f", "#999999"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="Helvetica" '
+           f'font-size="11"><rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{left}" y="18" font-size="13">collective_rpc to 2 local workers: median latency '
+           'against payload size</text>']
+    for e in range(ly[0], ly[1] + 1):
+        y = py(10**e)
+        out.append(f'<line x1="{left}" x2="{w - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>'
+                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{10**e:g} us</text>')
+    for x in sorted(set(xs)):
+        label = f"{x // MiB} MiB" if x >= MiB else f"{x // KiB} KiB"
+        out.append(f'<text x="{px(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{label}</text>')
+    out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{h - bottom}" stroke="black"/>'
+               f'<line x1="{left}" x2="{w - right}" y1="{h - bottom}" y2="{h - bottom}" stroke="black"/>')
+    for i, (name, pts) in enumerate(series.items()):
+        c = colors[i % len(colors)]
+        pts = sorted(pts)
+        line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        out.append(f'<polyline points="{line}" fill="none" stroke="{c}" stroke-width="2"/>')
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>' for x, y in pts]
+        ly_ = top + 20 + 18 * i
+        out.append(f'<line x1="{w - right + 12}" x2="{w - right + 32}" y1="{ly_}" y2="{ly_}" stroke="{c}" '
+                   f'stroke-width="2"/><text x="{w - right + 38}" y="{ly_ + 4}">{name}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+def load_rows(path: str) -> list[Row]:
+    with open(path) as f:
+        data = json.load(f)
+    return [Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in data["rows"]]
+
+
 def machine() -> dict:
     import psutil
 
@@ -648,7 +708,14 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = sys.stdout) -> int:
+def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = sys.stdout,
+        plot_path: str | None = None, from_json: str | None = None) -> int:
+    if from_json:  # only redraw from an earlier run
+        rows = load_rows(from_json)
+        print(format_table(rows), file=out)
+        if plot_path:
+            plot_svg(rows, plot_path)
+        return 0
     rows: list[Row] = []
     for name in scenarios:
         if name not in SCENARIOS:
@@ -661,4 +728,6 @@ def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = 
         with open(json_path, "w") as f:
             json.dump({"machine": machine(), "command": " ".join(sys.argv),
                        "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}, f, indent=1)
+    if plot_path:
+        plot_svg(rows, plot_path)
     return 0

@@ -70,7 +70,8 @@ def _keygen(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .bench import SCENARIOS, run
 
-    return run(args.scenarios or list(SCENARIOS), args.seconds, args.json)
+    return run(args.scenarios or list(SCENARIOS), args.seconds, args.json, plot_path=args.plot,
+               from_json=args.from_json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=2.0,
                        help="measuring time per pair of figures (default 2)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every row as JSON")
+    bench.add_argument("--plot", default=None, metavar="SVG",
+                       help="also draw latency against payload size (needs the payload scenario)")
+    bench.add_argument("--from-json", default=None, metavar="PATH",
+                       help="run nothing: print (and --plot) the rows of an earlier --json")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -242,7 +242,8 @@ class Leader:
 
     # --- joining -------------------------------------------------------------------
 
-    def admit(self, spec: dict, torch_port: int, timeout: float, extra_env: dict | None = None) -> None:
+    def admit(self, spec: dict, torch_port: int, timeout: float, extra_env: dict | None = None,
+              on_join: Callable[[int, int], None] | None = None) -> None:
         """Start the I/O thread, which admits the nodes, and wait until all joined.
 
         Heartbeats flow both ways from the first join on, and replies (READY)
@@ -254,8 +255,12 @@ class Leader:
         want = self.settings.nnodes - 1
         deadline = time.monotonic() + timeout
         last_log = time.monotonic()
+        seen = -1
         with self.cond:
             while len(self.nodes) < want:
+                if on_join is not None and len(self.nodes) != seen:
+                    seen = len(self.nodes)
+                    on_join(seen + 1, want + 1)
                 if self.failure is not None:
                     raise self.failure
                 left = deadline - time.monotonic()
@@ -269,6 +274,8 @@ class Leader:
                     log.info("%d/%d nodes joined: %s", len(self.nodes) + 1, self.settings.nnodes,
                              self.describe_nodes())
             self.formed = True
+        if on_join is not None:
+            on_join(want + 1, want + 1)
         log.info("%d/%d nodes joined: %s", want + 1, want + 1, self.describe_nodes())
 
     def describe_nodes(self) -> str:

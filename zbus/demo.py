@@ -159,8 +159,10 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
     say(f"zbus demo: {nnodes} nodes x {nproc_per_node} workers, a transformer block "
         f"(dim {DIM}, {HEADS} heads) sharded over {nnodes * nproc_per_node} ranks")
     t0 = time.perf_counter()
+    forming = _Progress(out, "nodes joined", nnodes)
     try:
-        with Executor(TransformerShardWorker, nnodes=nnodes, nproc_per_node=nproc_per_node,
+        with Executor(TransformerShardWorker, on_join=lambda joined, total: forming.update(joined),
+                      nnodes=nnodes, nproc_per_node=nproc_per_node,
                       master_addr=master_addr, master_port=master_port, metrics_port=metrics_port,
                       **({"curve_dir": curve_dir} if curve_dir else {})) as ex:
             say(f"cluster of {ex.world_size} ranks ready in {time.perf_counter() - t0:.2f} s"

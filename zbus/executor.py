@@ -446,7 +446,8 @@ class MultiprocExecutor(Executor):
                  nproc_per_node: int | None = None, master_addr: str | None = None,
                  master_port: int | None = None, liveness_s: float | None = None,
                  join_timeout: float = 300.0, curve_dir: str | None = None,
-                 metrics_port: int | None = None, **kwargs: Any):
+                 metrics_port: int | None = None,
+                 on_join: Callable[[int, int], None] | None = None, **kwargs: Any):
         kwargs.pop("backend", None)
         self.settings = ClusterSettings.resolve(nnodes, nproc_per_node, master_addr, master_port,
                                                 liveness_s)
@@ -458,6 +459,7 @@ class MultiprocExecutor(Executor):
         self.worker_path = _worker_path(worker)
         self.master_addr = self.settings.master_addr
         self.join_timeout = join_timeout
+        self.on_join = on_join  # (nodes joined, nnodes), as the cluster forms
         self.curve_dir = curve_dir_from_env(curve_dir)
         port = metrics_port or os.environ.get("ZBUS_METRICS_PORT")
         self.metrics_port = int(port) if port else None
@@ -507,7 +509,8 @@ class MultiprocExecutor(Executor):
             self._bcast.publish(spec, remaining(deadline, "worker start-up"))
             if self._leader is not None:
                 try:
-                    self._leader.admit(spec, torch_port, self.join_timeout, self.extra_env)
+                    self._leader.admit(spec, torch_port, self.join_timeout, self.extra_env,
+                                       self.on_join)
                 except (TimeoutError, ZbusError) as e:
                     raise StartupError(str(e)) from None
                 self._receivers += [self._leader.receivers[r] for r in range(n, self.world_size)]

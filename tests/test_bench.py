@@ -1,0 +1,32 @@
+"""The benchmark tool itself (its figures are not tested: speed is measured in
+benchmarks, never in tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import TEST_PATH
+
+from zbus.bench import Row, format_table, plot_svg
+
+
+def test_bench_writes_json_and_redraws_a_plot(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=TEST_PATH)
+    r = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "import", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpus"] >= 1 and data["rows"][0]["case"] == "import zbus"
+    assert data["rows"][0]["extra"]["torch imported"] is False
+    rows = [Row("payload", f"{n} {u} tensor to 2 workers", t, t * 2, "pyzmq ipc", t * 1.5,
+                {"memcpy GB/s": 10.0} if u == "MiB" and n >= 16 else {})
+            for n, u, t in ((1, "KiB", 100.0), (1, "MiB", 900.0), (16, "MiB", 5000.0))]
+    plot_svg(rows, str(tmp_path / "p.svg"))
+    svg = (tmp_path / "p.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 3 and "16 MiB" in svg
+    table = format_table(rows)
+    assert "ratio" in table and table.count("0.67") == 3  # zbus / baseline, row by row
