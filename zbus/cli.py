@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "default: given in join order)")
     fol.add_argument("--advertise-addr", default=None,
                      help="the address to report (default: the one that routes to the leader)")
-    fol.add_argument("--join-timeout", type=float, default=300.0,
-                     help="seconds to wait for the leader (default 300)")
+    fol.add_argument("--join-timeout", type=float, default=float(os.environ.get("ZBUS_JOIN_TIMEOUT", 300)),
+                     help="seconds to wait for the leader (ZBUS_JOIN_TIMEOUT, default 300)")
     fol.add_argument("--allow-import-calls", action="store_true",
                      default=os.environ.get("ZBUS_ALLOW_IMPORT_CALLS") == "1",
                      help="let the leader call functions by import path 'pkg.mod:func' on this "
