@@ -56,6 +56,7 @@ TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
 # so a node's answer proves both subscriptions are in place at the leader.
 PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
+MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 DEFAULT_MASTER_PORT = 29650
 
@@ -235,6 +236,7 @@ class Leader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.metrics = metrics or Metrics()
+        self._last_drop_log, self._drops_logged = 0.0, 0
         self._status = status
         (log.info if self.curve else log.warning)(
             "zbus leader on %s:%d-%d: links are %s", self.bind_ip, settings.master_port,
@@ -289,8 +291,7 @@ class Leader:
 
     def _on_join(self, node_id: Any, info: Any) -> None:
         if type(node_id) is not str or not isinstance(info, dict):
-            self.metrics.dropped()
-            log.warning("dropped a malformed join request")
+            self._drop("a malformed join request")
             return
         if node_id in self._probing or any(n.node_id == node_id for n in self.nodes.values()):
             return  # a repeated join of a node already welcomed
@@ -298,6 +299,9 @@ class Leader:
         if self.formed:
             log.error("refused a join from %s: the cluster is formed", info.get("host", "?"))
             self._send(node_topic(node_id), ["reject", "the cluster is already formed"], timeout=1.0)
+            return
+        if len(self._joins) >= MAX_PENDING_JOINS and node_id not in self._joins:
+            self.metrics.dropped()  # a flood of joins from nodes that never subscribe
             return
         self._joins[node_id] = info
         self._welcome_ready()
@@ -433,12 +437,10 @@ class Leader:
             frames = [f.buffer for f in self.pull.recv_multipart(copy=False)]
             msg = codec.decode(frames)
         except (CodecError, zmq.ZMQError) as e:
-            self.metrics.dropped()
-            log.warning("dropped a malformed message from the network: %s", e)
+            self._drop(f"a malformed message from the network: {e}")
             return None
         if type(msg) is not list or not msg:
-            self.metrics.dropped()
-            log.warning("dropped a message of the wrong shape: %s", str(msg)[:100])
+            self._drop(f"a message of the wrong shape: {str(msg)[:100]}")
             return None
         return msg
 
@@ -463,8 +465,14 @@ class Leader:
                     wait_ms = min(wait_ms, 50)
                     self._probe()
                 if self.pull.poll(wait_ms, zmq.POLLIN):
-                    while self.pull.poll(0, zmq.POLLIN):
-                        self._dispatch(self._recv_control())
+                    for _ in range(256):  # bounded: heartbeats and joins go on under a flood
+                        if not self.pull.poll(0, zmq.POLLIN):
+                            break
+                        msg = self._recv_control()
+                        try:
+                            self._dispatch(msg)
+                        except Exception as e:  # noqa: BLE001 - a bad message must not stop this thread
+                            self._drop(f"a message that broke its handler: {type(e).__name__}: {e}")
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 self._fail(ZbusError(f"leader I/O failed: {e}"))
@@ -499,8 +507,7 @@ class Leader:
         if type(kind) is int:
             receiver = self.receivers.get(kind)
             if receiver is None or len(msg) != 4:
-                self.metrics.dropped()
-                log.warning("dropped a reply for unknown rank %r", kind)
+                self._drop(f"a reply for unknown rank {kind!r}")
                 return
             with self.cond:
                 receiver.put(msg)
@@ -510,20 +517,30 @@ class Leader:
             if node is not None:
                 node.last_seen = time.monotonic()
                 self.metrics.heartbeat(node.node_rank)
-        elif kind == "died" and len(msg) == 4 and msg[1] in self.nodes:
+        elif kind == "died" and len(msg) == 4 and type(msg[1]) is type(msg[2]) is int \
+                and type(msg[3]) in (int, type(None)) and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
             self._fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
         elif kind == "join" and len(msg) == 3:
             self._on_join(msg[1], msg[2])
-        elif kind == "subscribed" and len(msg) == 2:
+        elif kind == "subscribed" and len(msg) == 2 and type(msg[1]) is str:
             self._on_subscribed(msg[1])
         elif kind == "refused" and len(msg) == 3:
             self._on_refused(msg[1], msg[2])
         elif kind == "status" and len(msg) == 2:
             self._answer_status(msg[1])
         else:
-            self.metrics.dropped()
-            log.warning("dropped an unknown control message %r", str(kind)[:50])
+            self._drop(f"an unknown control message {str(kind)[:50]!r}")
+
+    def _drop(self, what: str) -> None:
+        """Count a dropped message; log it, at most once a second under a flood."""
+        self.metrics.dropped()
+        now = time.monotonic()
+        if now - self._last_drop_log >= 1.0:
+            since = self.metrics.dropped_frames - self._drops_logged
+            log.warning("dropped %s%s", what, f" (and {since - 1} more since the last report)"
+                        if since > 1 else "")
+            self._last_drop_log, self._drops_logged = now, self.metrics.dropped_frames
 
     def _check_liveness(self, now: float) -> None:
         for node in self.nodes.values():
