@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import zlib
 import psutil
 
 import zbus
+from zbus.cluster import free_port_pair
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,19 +42,6 @@ def sizes(rng: random.Random, n: int, max_bytes: int) -> list[int]:
         top = 4096 if r < 0.9 else (2**20 if r < 0.99 else max_bytes)
         out.append(rng.randint(0, top))
     return out
-
-
-def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise OSError("no free port pair")
 
 
 def rss(procs: list[psutil.Process]) -> int:
@@ -87,8 +74,12 @@ def soak(calls: int, max_bytes: int, window: int, seed: int, warmup: float = 0.3
             warm_rss = 0
             t0 = time.monotonic()
             plan = sizes(rng, calls, max_bytes)
+            # Payloads are slices of one random block: the leader's own memory then
+            # measures zbus, not this script's allocations.
+            block = memoryview(rng.randbytes(max_bytes + 2**20))
             for seq, size in enumerate(plan):
-                payload = rng.randbytes(size)
+                start = rng.randint(0, len(block) - size)
+                payload = block[start:start + size]
                 pending.append((seq, zlib.crc32(payload), ex.collective_rpc("check", args=(seq, payload),
                                                                             non_block=True, timeout=120)))
                 if len(pending) >= window or seq == calls - 1:

@@ -19,20 +19,7 @@ from conftest import TEST_PATH, end_process
 
 import zbus
 from zbus import codec
-from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, node_topic
-
-
-def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise OSError("no free port pair")
+from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, free_port_pair, node_topic
 
 
 def follower(port: int, *args: str, nproc: int = 1) -> subprocess.Popen:

@@ -143,7 +143,9 @@ class PipeBaseline:
             p.join(10)
 
 
-def _zmq_sub_worker(pub: str, push: str, index: int) -> None:
+def _sub_worker(pub: str, push: str, index: int) -> None:
+    """A baseline subscriber: answers a message tagged ``probe``, ``all`` or its
+    own index; ``stop`` ends it."""
     import zmq
 
     ctx = zmq.Context()
@@ -153,19 +155,38 @@ def _zmq_sub_worker(pub: str, push: str, index: int) -> None:
     out.connect(push)
     out.send(b"hello")
     while True:
-        frames = sub.recv_multipart(copy=False)
-        if frames[0].bytes == b"stop":
+        tag = sub.recv_multipart(copy=False)[0].bytes
+        if tag == b"stop":
             break
-        if index == 0 or len(frames) > 1 and frames[1].bytes == b"all":
+        if tag in (b"probe", b"all") or tag == str(index).encode():
             out.send(b"ok")
     ctx.destroy(linger=0)
+
+
+def _await_subscribers(pub: Any, pull: Any, n: int) -> None:
+    """Wait until ``n`` subscribers said hello and hear the PUB socket (it drops
+    what it sends before a subscription lands, so probe until all answer)."""
+    for _ in range(n):
+        if not pull.poll(60_000):
+            raise TimeoutError("baseline subscribers did not start")
+        pull.recv()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pub.send(b"probe")
+        got = 0
+        while pull.poll(300):
+            pull.recv()
+            got += 1
+        if got >= n:
+            return
+    raise TimeoutError("baseline subscribers do not hear the publisher")
 
 
 class ZmqBaseline:
     """Raw pyzmq: PUB to ``n`` SUB processes (zero-copy frames), replies on PULL;
     over ``ipc://`` here, or TCP when ``host`` is given."""
 
-    def __init__(self, n: int, host: str | None = None, spawn: Callable[..., Any] | None = None):
+    def __init__(self, n: int, host: str | None = None):
         import zmq
 
         self.ctx = zmq.Context()
@@ -181,31 +202,14 @@ class ZmqBaseline:
             pub_addr = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
             pull_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         ctx = multiprocessing.get_context("spawn")
-        self.procs = [spawn(i, pub_addr, pull_addr) if spawn else
-                      ctx.Process(target=_zmq_sub_worker, args=(pub_addr, pull_addr, i), daemon=True)
+        self.procs = [ctx.Process(target=_sub_worker, args=(pub_addr, pull_addr, i), daemon=True)
                       for i in range(n)]
         for p in self.procs:
-            if hasattr(p, "start"):
-                p.start()
-        for _ in range(n):
-            if not self.pull.poll(60_000):
-                raise TimeoutError("baseline workers did not start")
-            self.pull.recv()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # PUB/SUB joins late: wait until all hear us
-            self.pub.send_multipart([b"x", b"all"])
-            if self.pull.poll(200):
-                got = 0
-                while self.pull.poll(200):
-                    self.pull.recv()
-                    got += 1
-                if got >= n:
-                    break
-        while self.pull.poll(300):  # late answers to the probes
-            self.pull.recv()
+            p.start()
+        _await_subscribers(self.pub, self.pull, n)
 
     def call(self, payload: Any = b"", all_reply: bool = False) -> None:
-        frames = [b"x", b"all" if all_reply else b"one"] + ([payload] if len(payload) else [])
+        frames = [b"all" if all_reply else b"0"] + ([payload] if len(payload) else [])
         self.pub.send_multipart(frames, copy=len(payload) < 65536)
         for _ in range(len(self.procs) if all_reply else 1):
             self.pull.recv()
@@ -213,7 +217,7 @@ class ZmqBaseline:
     def close(self) -> None:
         self.pub.send(b"stop")
         for p in self.procs:
-            (p.join if hasattr(p, "join") else p.wait)(10)
+            p.join(10)
         self.ctx.destroy(linger=0)
 
 
@@ -268,8 +272,8 @@ def _ring_echo(handle: dict, index: int, back: dict) -> None:
     ring = RingReader.attach(handle, index)
     out = RingWriter.attach(back) if index == 0 else None
     while True:
-        frames = ring.recv()
-        if bytes(frames[0][:4]) == b"stop":
+        stop = bytes(ring.recv()[0][:4]) == b"stop"  # keeps no view: the buffer is reused
+        if stop:
             break
         if out is not None:
             out.send([b"ok"])
@@ -398,27 +402,6 @@ def bench_import() -> list[Row]:
 NODES_PORT = 29660
 
 
-def _sub_reply_worker(pub: str, push: str, index: int) -> None:
-    """A direct fan-out subscriber (every remote worker dials the leader, as vLLM's
-    remote readers do); answers when the message names its index."""
-    import zmq
-
-    ctx = zmq.Context()
-    sub, out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(pub)
-    out.connect(push)
-    out.send(b"hello")
-    while True:
-        frames = sub.recv_multipart(copy=False)
-        tag = frames[0].bytes
-        if tag == b"stop":
-            break
-        if tag == b"probe" or int(tag) == index:
-            out.send(b"ok")
-    ctx.destroy(linger=0)
-
-
 def _rep_worker(address: str) -> None:
     import zmq
 
@@ -456,23 +439,11 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
     pub, pull, req = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL), ctx.socket(zmq.REQ)
     ports = [s.bind_to_random_port(f"tcp://{host}") for s in (pub, pull, req)]
     remote = [(node, i) for node in range(1, nnodes) for i in range(2)]
-    procs = [spawn(node, f"from zbus.bench import _sub_reply_worker as w; "
+    procs = [spawn(node, f"from zbus.bench import _sub_worker as w; "
                          f"w('tcp://{host}:{ports[0]}', 'tcp://{host}:{ports[1]}', {k})")
              for k, (node, _) in enumerate(remote)]
     procs.append(spawn(1, f"from zbus.bench import _rep_worker as w; w('tcp://{host}:{ports[2]}')"))
-    for _ in remote:
-        if not pull.poll(60_000):
-            raise TimeoutError("direct fan-out workers did not start")
-        pull.recv()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # PUB/SUB joins late: probe until all answer
-        pub.send(b"probe")
-        got = 0
-        while pull.poll(300):
-            pull.recv()
-            got += 1
-        if got >= len(remote):
-            break
+    _await_subscribers(pub, pull, len(remote))
     last = len(remote) - 1
 
     def direct(payload: Any) -> None:
@@ -573,8 +544,8 @@ def bench_curve(seconds: float) -> list[Row]:
     import torch
     import zmq
 
+    from .cluster import free_port_pair
     from .curve import keygen
-    from .demo import _free_port_pair
     from .executor import Executor
 
     if not zmq.has("curve"):
@@ -582,7 +553,7 @@ def bench_curve(seconds: float) -> list[Row]:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="zbus-bench-keys-") as keys:
         keygen(keys, 1)
-        ports = [_free_port_pair("127.0.0.1") for _ in range(2)]
+        ports = [free_port_pair() for _ in range(2)]
         base = [sys.executable, "-m", "zbus.cli", "follower", "--node-rank", "1", "--allow-worker",
                 "zbus.bench"]
         env = dict(os.environ, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_NPROC_PER_NODE="1")

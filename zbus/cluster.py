@@ -134,6 +134,21 @@ def resolve_ip(host: str) -> str:
         raise ZbusError(f"cannot resolve {host!r}: {e}") from e
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port p with p and p + 1 free on ``host`` now: for a leader on a machine of
+    its own (the local demo, tests). A cluster across hosts uses a fixed port."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind((host, port + 1))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no two consecutive free ports on {host}")
+
+
 def route_to(master_ip: str) -> tuple[str, str | None]:
     """The local address (and its interface name) that routes to ``master_ip``:
     a connected UDP socket sends nothing but makes the kernel pick the route."""

@@ -79,22 +79,6 @@ class TransformerShardWorker(Worker):
         dist.destroy_process_group()
 
 
-def _free_port_pair(host: str) -> int:
-    """A port p with p and p + 1 free on ``host`` (for the local demo's leader)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind((host, 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind((host, port + 1))
-            except OSError:
-                continue
-            return port
-    raise OSError("no two consecutive free ports")
-
-
 class _Progress:
     """A one-line progress bar on a terminal; plain lines elsewhere."""
 
@@ -135,6 +119,7 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
     loopback. With ``nnodes``, lead a cluster whose followers run elsewhere."""
     import torch
 
+    from .cluster import free_port_pair
     from .executor import Executor
 
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
@@ -148,7 +133,7 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
         import zmq
 
         nnodes, master_addr = 3, "127.0.0.1"
-        master_port = _free_port_pair(master_addr)
+        master_port = free_port_pair(master_addr)
         if zmq.has("curve"):
             from .curve import keygen
 

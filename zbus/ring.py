@@ -451,7 +451,7 @@ class BufferPool:
 
     MIN_BYTES = 256 * 1024
     KEEP = 4  # buffers, and at most KEEP_BYTES of them (the smallest are dropped first)
-    KEEP_BYTES = 96 * 2**20
+    KEEP_BYTES = 256 * 2**20
 
     def __init__(self) -> None:
         self._buffers: list[bytearray] = []
@@ -468,7 +468,8 @@ class BufferPool:
             del b
         if best is not None:  # the smallest free buffer that fits: already faulted in
             return memoryview(best)[:n]
-        b = bytearray(1 << (n - 1).bit_length())
+        step = max(self.MIN_BYTES, 1 << max(0, n.bit_length() - 4))  # at most ~12 % spare
+        b = bytearray((n + step - 1) // step * step)
         self._buffers.append(b)
         while len(self._buffers) > self.KEEP or (
                 len(self._buffers) > 1 and sum(map(len, self._buffers)) > self.KEEP_BYTES):

@@ -142,29 +142,36 @@ def run_call(worker: Any, method: Any, args: Any, kwargs: Any, allow_import: boo
 
 def serve(worker: Worker, recv: Callable[[], list], put: Callable[[Any], None],
           allow_import: bool) -> None:
-    """Serve calls until a STOP message or the ring closes. A call's arguments are
-    decoded apart from its envelope, so a call whose arguments cannot be decoded
-    (an unregistered type, say) is answered with the error."""
-    from . import codec
-
+    """Serve calls until a STOP message or the ring closes."""
     replies = ReplyPipe(put)
     while True:
         try:
-            frames = recv()
+            if not handle(worker, recv(), replies, allow_import):
+                return
         except RingClosed:
             return
-        envelope = codec.decode(frames[:1])
-        if envelope[0] == protocol.STOP:
-            return
-        _, seq, method, reply_rank, n_payload = envelope
-        try:
-            args, kwargs = codec.decode(frames[1:1 + n_payload])
-        except CodecError as e:
-            result, status = ZbusError(f"cannot decode the arguments of {method!r}: {e}"), protocol.REFUSED
-        else:
-            result, status = run_call(worker, method, args, kwargs, allow_import)
-        if reply_rank < 0 or reply_rank == worker.rank:
-            replies.send(seq, result, status)
+
+
+def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool) -> bool:
+    """Run one message; False for STOP. A call's arguments are decoded apart from
+    its envelope, so a call whose arguments cannot be decoded (an unregistered
+    type, say) is answered with the error. (A function of its own: the message's
+    buffer is free for the next one as soon as this returns.)"""
+    from . import codec
+
+    envelope = codec.decode(frames[:1])
+    if envelope[0] == protocol.STOP:
+        return False
+    _, seq, method, reply_rank, n_payload = envelope
+    try:
+        args, kwargs = codec.decode(frames[1:1 + n_payload])
+    except CodecError as e:
+        result, status = ZbusError(f"cannot decode the arguments of {method!r}: {e}"), protocol.REFUSED
+    else:
+        result, status = run_call(worker, method, args, kwargs, allow_import)
+    if reply_rank < 0 or reply_rank == worker.rank:
+        replies.send(seq, result, status)
+    return True
 
 
 def _watch_death_pipe(fd: int, segments: list[str]) -> None:
