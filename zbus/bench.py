@@ -667,6 +667,26 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
+def _fmt(value: float, unit: str) -> str:
+    if unit == "us":
+        return f"{value / 1000:.2f} ms" if value >= 1000 else f"{value:.0f} us"
+    if unit == "B":
+        return f"{value / 1e6:.1f} MB"
+    return f"{value:.1f} {unit}"
+
+
+def format_markdown(rows: list[Row]) -> str:
+    """The rows as a Markdown table (docs/benchmarks.md is made with it)."""
+    lines = ["| scenario | case | zbus median | p99 | baseline (same run) | baseline median | ratio "
+             "| notes |", "|---|---|---:|---:|---|---:|---:|---|"]
+    for r in rows:
+        notes = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.extra.items())
+        base = _fmt(r.baseline_median_us, r.unit) if r.baseline_median_us else ""
+        lines.append(f"| {r.scenario} | {r.case} | {_fmt(r.median_us, r.unit)} | {_fmt(r.p99_us, r.unit)} | "
+                     f"{r.baseline} | {base} | {f'{r.ratio:.2f}' if r.ratio else ''} | {notes} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[Row]) -> str:
     lines = [f"{'scenario':<8} {'case':<40} {'median':>12} {'p99':>12}  {'baseline':<22} "
              f"{'base med':>10} {'ratio':>6}  extra"]
@@ -680,10 +700,10 @@ def format_table(rows: list[Row]) -> str:
 
 
 def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = sys.stdout,
-        plot_path: str | None = None, from_json: str | None = None) -> int:
+        plot_path: str | None = None, from_json: str | None = None, markdown: bool = False) -> int:
     if from_json:  # only redraw from an earlier run
         rows = load_rows(from_json)
-        print(format_table(rows), file=out)
+        print(format_markdown(rows) if markdown else format_table(rows), file=out)
         if plot_path:
             plot_svg(rows, plot_path)
         return 0
@@ -694,7 +714,7 @@ def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = 
             return 2
         print(f"running {name} ...", file=sys.stderr, flush=True)
         rows += SCENARIOS[name](seconds)
-    print(format_table(rows), file=out)
+    print(format_markdown(rows) if markdown else format_table(rows), file=out)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"machine": machine(), "command": " ".join(sys.argv),

@@ -71,7 +71,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import SCENARIOS, run
 
     return run(args.scenarios or list(SCENARIOS), args.seconds, args.json, plot_path=args.plot,
-               from_json=args.from_json)
+               from_json=args.from_json, markdown=args.markdown)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also draw latency against payload size (needs the payload scenario)")
     bench.add_argument("--from-json", default=None, metavar="PATH",
                        help="run nothing: print (and --plot) the rows of an earlier --json")
+    bench.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     bench.set_defaults(func=_bench)
     return parser
 
