@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import psutil
 import zmq
 
 from . import codec
@@ -152,6 +151,8 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
 def route_to(master_ip: str) -> tuple[str, str | None]:
     """The local address (and its interface name) that routes to ``master_ip``:
     a connected UDP socket sends nothing but makes the kernel pick the route."""
+    import psutil
+
     family = socket.AF_INET6 if ":" in master_ip else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((master_ip, 9))

@@ -23,10 +23,10 @@ import shutil
 from typing import Any
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from .errors import ZbusError
+
+# zmq.auth (and the asyncio it pulls in) loads only when keys are used.
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ def curve_dir_from_env(value: str | None = None) -> str | None:
 
 def keygen(directory: str, nodes: int) -> list[str]:
     """Create the key folders for a leader and ``nodes`` followers; return them."""
+    import zmq.auth
+
     if not zmq.has("curve"):
         raise ZbusError("this libzmq has no CurveZMQ support (needs libsodium)")
     os.makedirs(directory, exist_ok=True)
@@ -60,6 +62,8 @@ def keygen(directory: str, nodes: int) -> list[str]:
 
 
 def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
     if not os.path.exists(path):
         raise ZbusError(f"missing key file {path} (make keys with 'zbus keygen')")
     public, secret_key = zmq.auth.load_certificate(path)
@@ -76,6 +80,8 @@ class LeaderCurve:
         authorized = os.path.join(directory, "authorized")
         if not os.path.isdir(authorized) or not os.listdir(authorized):
             raise ZbusError(f"{authorized} lists no node keys: no node could join")
+        from zmq.auth.thread import ThreadAuthenticator
+
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("zbus.curve.zap"))
         self.auth.start()
         self.auth.configure_curve(domain="*", location=authorized)
