@@ -19,9 +19,10 @@ import socket
 import time
 from typing import Any
 
+import msgpack
 import zmq
 
-from . import codec, shm
+from . import codec, protocol, shm
 from .cluster import (
     PROBE_TOPICS,
     PROTOCOL_VERSION,
@@ -81,6 +82,7 @@ class NodeAgent:
         self._deaths: list[tuple[int, int | None]] = []
         self._backlog: collections.deque = collections.deque()
         self._backlog_bytes = 0
+        self._last_seq: int | None = None
         self._probes_seen: set[bytes] | None = set()
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
@@ -125,6 +127,7 @@ class NodeAgent:
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self.sub.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
+        self.sub.setsockopt(zmq.RCVHWM, 64)  # backpressure reaches the leader, not our memory
         self.push.setsockopt(zmq.SNDHWM, 1000)
         # The leader welcomes us on our node topic, then probes the RPC and heartbeat
         # topics until we answer: so we miss no RPC (see zbus.cluster).
@@ -254,6 +257,21 @@ class NodeAgent:
         self._last_leader = time.monotonic()
         return frames
 
+    def _check_sequence(self, envelope: Any) -> None:
+        """Calls arrive numbered 1, 2, 3...: a gap means a reset connection lost
+        some (ZeroMQ reconnects silently), so this node can no longer be trusted."""
+        try:
+            head = msgpack.unpackb(envelope, raw=False)
+        except Exception:  # noqa: BLE001 - not a call envelope; the workers judge it
+            return
+        if type(head) is not list or len(head) != 5 or head[0] != protocol.CALL or type(head[1]) is not int:
+            return
+        if self._last_seq is not None and head[1] != self._last_seq + 1:
+            self._send(["gap", self.node_rank, self._last_seq + 1, head[1]], timeout=1.0)
+            raise ZbusError(f"calls {self._last_seq + 1}..{head[1] - 1} never arrived (a reset "
+                            "connection?): leaving the cluster")
+        self._last_seq = head[1]
+
     def _take(self) -> list:
         if not self._backlog:
             return self._read()
@@ -264,19 +282,25 @@ class NodeAgent:
     def _read_ahead(self) -> None:
         """While a relay waits for slow workers, keep reading what the leader sends
         (bounded), so its heartbeats are seen and this node is not given up."""
-        while (len(self._backlog) < BACKLOG_MESSAGES and self._backlog_bytes < BACKLOG_BYTES
-               and self.sub.poll(0, zmq.POLLIN)):
+        while self.sub.poll(0, zmq.POLLIN):
+            if len(self._backlog) >= BACKLOG_MESSAGES or self._backlog_bytes >= BACKLOG_BYTES:
+                self._last_leader = time.monotonic()  # it is talking; we are the slow ones
+                return
             frames = self._read()
             self._backlog_bytes += sum(len(f) for f in frames)
             self._backlog.append(frames)
 
     def _relay(self, frames: list) -> None:
+        self._check_sequence(frames[0])
         try:
             self.ring.send(frames, on_full=self._on_ring_full)
         except (RingClosed, Cancelled) as e:
             raise ZbusError(f"relay failed: {e}") from e
 
     def _on_ring_full(self) -> None:
+        if self._deaths:  # a dead reader never frees the ring: report it and give up
+            self._report_deaths()
+            raise ZbusError("a worker died while a call was relayed to it")
         self._read_ahead()
         self._tick()
 

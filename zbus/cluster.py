@@ -10,7 +10,8 @@ ring), ``H`` leader heartbeats, ``stopping`` and the final ``bye``, ``N<node id>
 control for one node (welcome or reject), ``RP``/``HP`` probes. Messages on the
 PULL side are codec-encoded lists: ``["join", node_id, info]``,
 ``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
-exitcode]``, or a worker reply ``[rank, seq, status, value]``.
+exitcode]``, ``["gap", node_rank, expected_seq, got_seq]``, ``["refused", node_id,
+reason]``, ``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
 
 Joining: a follower subscribes to ``R``, ``H`` and its own ``N<id>``, then sends
 ``join`` until welcomed. The leader welcomes it (on ``N<id>``) once that
@@ -34,7 +35,7 @@ from typing import Any, Callable
 
 import zmq
 
-from . import codec
+from . import codec, protocol
 from .curve import LeaderCurve, describe
 from .errors import (
     CodecError,
@@ -131,6 +132,23 @@ def resolve_ip(host: str) -> str:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as e:
         raise ZbusError(f"cannot resolve {host!r}: {e}") from e
+
+
+def _undecodable_reply(frames: list, error: Exception) -> list | None:
+    """A worker's reply whose value cannot be decoded here (a type the driver
+    never registered, say) becomes an error reply for that call, so the caller
+    learns why instead of waiting; anything else is None (dropped)."""
+    import msgpack
+
+    try:
+        head = msgpack.unpackb(frames[0], ext_hook=lambda code, data: None, raw=False,
+                               strict_map_key=False)
+    except Exception:  # noqa: BLE001 - not even the envelope: plain garbage
+        return None
+    if type(head) is list and len(head) == 4 and type(head[0]) is int and type(head[1]) is int:
+        info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {error}")
+        return [head[0], head[1], protocol.RAISED, info]
+    return None
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
@@ -452,8 +470,13 @@ class Leader:
         try:
             frames = [f.buffer for f in self.pull.recv_multipart(copy=False)]
             msg = codec.decode(frames)
-        except (CodecError, zmq.ZMQError) as e:
-            self._drop(f"a malformed message from the network: {e}")
+        except CodecError as e:
+            reply = _undecodable_reply(frames, e)
+            if reply is None:
+                self._drop(f"a malformed message from the network: {e}")
+            return reply
+        except zmq.ZMQError as e:
+            self._drop(f"a message that could not be read: {e}")
             return None
         if type(msg) is not list or not msg:
             self._drop(f"a message of the wrong shape: {str(msg)[:100]}")
@@ -475,7 +498,7 @@ class Leader:
                     next_hb = time.monotonic() + s.heartbeat_s
                     self._check_liveness(time.monotonic())
                     touch_health()
-                wait_ms = int(max(0.0, next_hb - time.monotonic()) * 1000) + 1
+                wait_ms = min(200, int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
                 self._read_subscriptions()
                 if not self.formed:
                     wait_ms = min(wait_ms, 50)
@@ -491,7 +514,7 @@ class Leader:
                             self._drop(f"a message that broke its handler: {type(e).__name__}: {e}")
         except zmq.ZMQError as e:
             if not self._stop.is_set():
-                self._fail(ZbusError(f"leader I/O failed: {e}"))
+                self._fail(ExecutorFailedError(f"leader I/O failed: {e}"))
 
     def _read_subscriptions(self) -> None:
         """Take the XPUB socket's subscription notices (a node topic means a node
@@ -504,8 +527,12 @@ class Leader:
                 if not self.bcast.xpub.poll(0, zmq.POLLIN):
                     break
                 msg = self.bcast.xpub.recv()
-                if msg[:1] == b"\x01" and not self.formed:
-                    self._on_subscription(msg[1:])
+                if msg[:1] != b"\x01":
+                    continue
+                topic = msg[1:]
+                if not self.formed and topic[:1] == b"N" and len(topic) <= 33 \
+                        and len(self._subscribed) < 4096:
+                    self._on_subscription(topic)
         finally:
             self.xpub_lock.release()
 
@@ -541,6 +568,10 @@ class Leader:
             self._on_join(msg[1], msg[2])
         elif kind == "subscribed" and len(msg) == 2 and type(msg[1]) is str:
             self._on_subscribed(msg[1])
+        elif kind == "gap" and len(msg) == 4 and type(msg[1]) is int and msg[1] in self.nodes:
+            node = self.nodes[msg[1]]  # its agent saw calls go missing (a reset connection)
+            self._fail(NodeLostError(node.node_rank, node.host,
+                                     f"missed calls {str(msg[2])[:20]} to {str(msg[3])[:20]}"))
         elif kind == "refused" and len(msg) == 3:
             self._on_refused(msg[1], msg[2])
         elif kind == "status" and len(msg) == 2:
@@ -590,14 +621,23 @@ class Leader:
         self._send(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
 
     def abort_receivers(self) -> None:
-        for r in self.receivers.values():
+        for r in list(self.receivers.values()):  # the I/O thread may be adding one
             r.abort()
+
+    def external_failure(self, error: Exception) -> None:
+        """The executor failed (a local worker died, say): stop waiting for nodes
+        and for replies."""
+        with self.cond:
+            if self.failure is None:
+                self.failure = error
+            self.cond.notify_all()
+        self.abort_receivers()
 
     def close(self) -> None:
         """Say bye to the nodes (best effort, bounded) and close everything."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)  # it wakes every 200 ms at most
         try:
             bye = self._send(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
         except zmq.ZMQError:

@@ -212,8 +212,8 @@ def encode(obj: Any) -> list[Any]:
         header = enc.pack(_BigBytes(obj) if type(obj) in _KIND_OF else obj)
     except CodecError:
         raise
-    except (TypeError, ValueError, OverflowError, RuntimeError, BufferError) as e:
-        raise CodecError(f"cannot encode: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a property of the object raised, say
+        raise CodecError(f"cannot encode: {type(e).__name__}: {e}") from e
     finally:
         _local.encoder = outer
     return [header, *enc.buffers]

@@ -27,6 +27,7 @@ from .cluster import ClusterSettings, Leader, port_range, resolve_ip, route_to
 from .curve import curve_dir_from_env
 from .errors import (
     Cancelled,
+    CodecError,
     ExecutorFailedError,
     RemoteError,
     RingClosed,
@@ -365,6 +366,9 @@ class LocalWorkers:
         except BaseException:
             os.close(death_r)
             self.kill()
+            for fd in (self._death_w, self._stop_r, self._stop_w):
+                os.close(fd)
+            self._death_w = -1
             raise
         os.close(death_r)
         self._thread = threading.Thread(target=self._watch, name="zbus-worker-monitor", daemon=True)
@@ -428,8 +432,8 @@ class LocalWorkers:
     def close(self) -> None:
         if self._death_w >= 0:
             os.write(self._stop_w, b"x")
-            if hasattr(self, "_thread"):
-                self._thread.join(5)
+            if hasattr(self, "_thread") and self._thread is not threading.current_thread():
+                self._thread.join(5)  # (a failure callback may call shutdown on this thread)
             for fd in (self._death_w, self._stop_r, self._stop_w):
                 os.close(fd)
             self._death_w = -1
@@ -495,7 +499,8 @@ class MultiprocExecutor(Executor):
             ifname = None
         for _ in range(n):  # one at a time: shutdown() removes those made before a failure
             self._resp_handles.append(ring.create(1))
-        self._receivers = [ShmReceiver(ring.RingReader.attach(h, 0)) for h in self._resp_handles]
+        for h in self._resp_handles:  # one at a time, for the same reason
+            self._receivers.append(ShmReceiver(ring.RingReader.attach(h, 0)))
         segments = [self._bcast.handle.name, *(h.name for h in self._resp_handles)]
         places = [{"rank": r, "local_rank": r, "world_size": self.world_size, "local_world_size": n,
                    "node_rank": 0} for r in range(n)]
@@ -512,7 +517,8 @@ class MultiprocExecutor(Executor):
                     self._leader.admit(spec, torch_port, self.join_timeout, self.extra_env,
                                        self.on_join)
                 except (TimeoutError, ZbusError) as e:
-                    raise StartupError(str(e)) from None
+                    # a local worker that failed tells why in its ring; else the leader's reason
+                    raise StartupError(self._startup_failure() if self._failure else str(e)) from None
                 self._receivers += [self._leader.receivers[r] for r in range(n, self.world_size)]
                 deadline = deadline_of(self.startup_timeout)
             for rank in range(self.world_size):
@@ -574,7 +580,7 @@ class MultiprocExecutor(Executor):
         for rx in self._receivers:
             rx.abort()
         if self._leader is not None:
-            self._leader.abort_receivers()
+            self._leader.external_failure(error)
         for fut in list(self._pending):
             try:
                 fut.set_exception(error)
@@ -603,8 +609,9 @@ class MultiprocExecutor(Executor):
             try:
                 self._publish(frames, deadline)
             except SendTimeout as e:
-                if not e.queued:  # no rank will answer it
+                if not e.queued:  # no rank will answer it; its number is free again
                     self._pending.pop()
+                    self._seq -= 1
                 raise TimeoutError(f"collective_rpc({method!r}) timed out sending: {e}") from None
             except (RingClosed, Cancelled):
                 raise self._failure or ZbusError("executor is shut down") from None
@@ -656,10 +663,16 @@ class MultiprocExecutor(Executor):
                 reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"))
             except RingClosed:
                 raise self._failure or ZbusError("executor is shut down") from None
+            except CodecError as e:  # consumed but not decodable here: the caller gets why
+                reply = [rank, head.seq, protocol.RAISED,
+                         codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]
             self._accept(head, rank, reply)
         self._pending.popleft()
         if not head.done():
-            head._finish()
+            try:
+                head._finish()
+            except concurrent.futures.InvalidStateError:  # failed meanwhile by the monitor
+                pass
 
     def _accept(self, head: RpcFuture, rank: int, reply: Any) -> None:
         if not (type(reply) is list and len(reply) == 4 and reply[0] == rank and reply[1] == head.seq):

@@ -145,6 +145,7 @@ class Broadcaster:
             self.xpub.setsockopt(zmq.XPUB_NODROP, 1)
             self.xpub.setsockopt(zmq.SNDHWM, 64)
             self.xpub.setsockopt(zmq.LINGER, 0)
+            self.xpub.setsockopt(zmq.MAXMSGSIZE, 4096)  # it only receives subscriptions (and a handshake)
             if configure is not None:  # e.g. CurveZMQ keys, which must precede bind
                 configure(self.xpub)
             self.port = bind(self.xpub, host, port, port_range)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
@@ -204,7 +203,12 @@ class RingWriter(_Ring):
     def create(cls, n_readers: int, geometry: RingGeometry | None = None,
                policy: WaitPolicy | None = None) -> RingWriter:
         """Create a ring (this process owns its segment) and be its writer."""
-        return cls.attach(create(n_readers, geometry), policy)
+        handle = create(n_readers, geometry)
+        try:
+            return cls.attach(handle, policy)
+        except BaseException:
+            shm.unlink(handle.name)
+            raise
 
     @classmethod
     def attach(cls, handle: RingHandle | dict, policy: WaitPolicy | None = None) -> RingWriter:
@@ -275,13 +279,13 @@ class RingWriter(_Ring):
         self._pending = (pieces, total)
         try:
             self.flush(deadline, cancel, on_full)
-        except (TimeoutError, Cancelled) as e:
+        except BaseException as e:
             # The rest goes later: copy it now, the caller may change its buffers.
             rest, left = self._pending
             self._pending = ([memoryview(bytes(p)) for p in rest], left)
-            if isinstance(e, Cancelled):
-                raise
-            raise SendTimeout(str(e), queued=True) from None
+            if isinstance(e, TimeoutError):
+                raise SendTimeout(str(e), queued=True) from None
+            raise
 
     def flush(self, deadline: float | None = None, cancel: Any = None,
               on_full: Callable[[], None] | None = None) -> None:
@@ -462,8 +466,7 @@ class BufferPool:
         best = None
         for i in range(len(self._buffers)):
             b = self._buffers[i]
-            # references: the list, ``b`` here and getrefcount's argument
-            if len(b) >= n and sys.getrefcount(b) == 3 and (best is None or len(b) < len(best)):
+            if len(b) >= n and (best is None or len(b) < len(best)) and not _exported(b):
                 best = b
             del b
         if best is not None:  # the smallest free buffer that fits: already faulted in
@@ -475,6 +478,19 @@ class BufferPool:
                 len(self._buffers) > 1 and sum(map(len, self._buffers)) > self.KEEP_BYTES):
             self._buffers.remove(min(self._buffers, key=len))  # views keep dropped ones alive
         return memoryview(b)[:n]
+
+
+def _exported(b: bytearray) -> bool:
+    """Whether a view of ``b`` is alive (a decoded tensor, say): a bytearray with
+    exports cannot be resized. Shrinking by one byte and growing back keeps the
+    allocation, so this costs no copy."""
+    try:
+        last = b[-1]
+        del b[-1:]
+    except BufferError:
+        return True
+    b.append(last)
+    return False
 
 
 def _split_frames(out: memoryview) -> list[memoryview]:

@@ -101,8 +101,10 @@ class Segment:
     def __init__(self, name: str, size: int, fd: int):
         self.name = name
         self.size = size
-        self._mmap = mmap.mmap(fd, size)
-        os.close(fd)
+        try:
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
         self.buf = memoryview(self._mmap)
 
     @classmethod

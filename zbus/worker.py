@@ -121,7 +121,11 @@ class ReplyPipe:
                 except BaseException as e:  # noqa: BLE001 - reported to the caller
                     result, status = e, protocol.RAISED
             with self._lock:
-                self._put([seq, status, result])
+                try:
+                    self._put([seq, status, result])
+                except Exception as e:  # noqa: BLE001 - this thread must live on: report it
+                    log.exception("reply to call %d failed", seq)
+                    self._put([seq, protocol.RAISED, e])
                 self._queue.popleft()
 
 
