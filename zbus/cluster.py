@@ -335,8 +335,11 @@ class Leader:
             self._send(node_topic(node_id), ["reject", "the cluster is already formed"], timeout=1.0)
             return
         if len(self._joins) >= MAX_PENDING_JOINS and node_id not in self._joins:
-            self.metrics.dropped()  # a flood of joins from nodes that never subscribe
-            return
+            # A flood of joins from nodes that never subscribe: forget the oldest. A real
+            # node is welcomed as soon as a join and its subscription are both here,
+            # and it sends its join again every 2 s.
+            self._joins.pop(next(iter(self._joins)))
+            self.metrics.dropped()
         self._joins[node_id] = info
         self._welcome_ready()
 
