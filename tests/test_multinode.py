@@ -114,13 +114,15 @@ def test_lost_node_raises_node_lost_within_the_limit(cluster, fault):
         cluster.nodes[2].link(up=False)
     r = read_json(proc, timeout=30)
     elapsed = time.monotonic() - t0
+    if fault == "cut_link":
+        cluster.nodes[2].link(up=True)  # restored after the limit: too late, the node is out
     print(f"{fault}: NodeLostError after {elapsed:.2f} s (limit {LIVENESS} s)")
     assert r["error"] == "NodeLostError" and r["node_rank"] == 2 and r["host"] == "node2", r
     assert r["later_fails_at_once"]
     assert elapsed < LIVENESS * 1.5 + 1
     # The cut-off node, left alone, ends its workers and its shared memory itself.
     assert wait_exit([proc, followers[0]], 30) == [0, 0]
-    assert wait_exit([followers[1]], LIVENESS * 2 + 5)[0] in (1, -signal.SIGKILL)
+    assert wait_exit([followers[1]], LIVENESS * 2 + 5)[0] in (0, 1, -signal.SIGKILL)
     for node in cluster.nodes:
         deadline = time.monotonic() + 10
         while (node.pids() or node.shm_segments()) and time.monotonic() < deadline:
