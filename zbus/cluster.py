@@ -42,12 +42,11 @@ from .errors import (
     ExecutorFailedError,
     NodeLostError,
     RingClosed,
-    SendTimeout,
     WorkerDiedError,
     ZbusError,
 )
 from .metrics import Metrics
-from .queues import Broadcaster, bind, deadline_of, remaining, send_frames, wait_released
+from .queues import Broadcaster, bind, deadline_of, remaining, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -444,30 +443,6 @@ class Leader:
             return False
         finally:
             self.xpub_lock.release()
-
-    def publish(self, frames: list, deadline: float | None, on_full: Callable[[], None] | None = None,
-                cancel: threading.Event | None = None) -> None:
-        """Send one RPC to every node (one copy each) and the local ring. Either
-        every rank gets it or none (:class:`SendTimeout` says which): the ring is
-        made ready first, and once the nodes have the message, so does the ring."""
-        ring = self.bcast.ring
-        if ring is not None:
-            try:
-                ring.flush(deadline, cancel, on_full)
-            except TimeoutError as e:
-                raise SendTimeout(str(e), queued=False) from None
-        with self.xpub_lock:  # held only to queue: heartbeats need the socket too
-            trackers = send_frames(self.bcast.xpub, [TOPIC_RPC, *frames], deadline,
-                                   "broadcast to nodes", cancel, wait_release=False)
-        try:
-            if ring is not None:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    ring.send(frames, left, cancel, on_full)
-                except SendTimeout as e:
-                    raise SendTimeout(str(e), queued=True) from None
-        finally:  # even on a timeout: the caller may reuse its buffers once we return
-            wait_released(trackers, "broadcast to nodes", cancel)
 
     def _recv_control(self) -> Any:
         try:

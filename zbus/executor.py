@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .cluster import ClusterSettings, Leader, port_range, resolve_ip, route_to
+from .cluster import TOPIC_RPC, ClusterSettings, Leader, port_range, resolve_ip, route_to
 from .curve import curve_dir_from_env
 from .errors import (
     Cancelled,
@@ -511,7 +511,8 @@ class MultiprocExecutor(Executor):
                 "allow_import": self.allow_import_calls}
         deadline = deadline_of(self.startup_timeout)
         try:
-            self._bcast.publish(spec, remaining(deadline, "worker start-up"))
+            # the spec goes to this node's ring only: followers get theirs in the welcome
+            self._bcast.ring.send(codec.encode(spec), remaining(deadline, "worker start-up"))
             if self._leader is not None:
                 try:
                     self._leader.admit(spec, torch_port, self.join_timeout, self.extra_env,
@@ -620,11 +621,10 @@ class MultiprocExecutor(Executor):
         return fut if non_block else fut.result(remaining(deadline, method))
 
     def _publish(self, frames: list, deadline: float | None) -> None:
-        if self._leader is not None:
-            self._leader.publish(frames, deadline, self._drain_ready, self._failed)
-        else:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._bcast.ring.send(frames, left, self._failed, self._drain_ready)
+        """One call to every rank: the local ring, and one copy per follower node."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
+        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock)
 
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets

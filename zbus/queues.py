@@ -16,6 +16,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Sequence
 
@@ -171,14 +172,36 @@ class Broadcaster:
         self.publish_frames(codec.encode(obj), timeout, topic)
 
     def publish_frames(self, frames: Sequence[Any], timeout: float | None = None, topic: bytes = b"",
-                       on_full: Callable[[], None] | None = None) -> None:
-        """Send to remote subscribers first (the network is slower), then the ring.
-        ``on_full`` runs while the ring is full (see :meth:`RingWriter.send`)."""
+                       on_full: Callable[[], None] | None = None, cancel: Any = None,
+                       lock: Any = None) -> None:
+        """Send one message to every remote subscriber and every ring reader, or to
+        none: :class:`SendTimeout` says which (``queued``). The ring is made ready
+        first (a message an earlier timeout cut short is finished); once the remote
+        copy is queued, the ring gets it too; only then does the send wait for
+        ZeroMQ to release the caller's memory. ``lock`` serialises the XPUB socket
+        with other threads and is held only while queueing. ``on_full`` runs while
+        the ring is full (see :meth:`RingWriter.send`)."""
         deadline = deadline_of(timeout)
+        ring = self.ring
+        if ring is not None:
+            try:
+                ring.flush(deadline, cancel, on_full)
+            except TimeoutError as e:
+                raise SendTimeout(str(e), queued=False) from None
+        trackers: list = []
         if self.xpub is not None:
-            send_frames(self.xpub, [topic, *frames], deadline, "broadcast to remote nodes")
-        if self.ring is not None:
-            self.ring.send(frames, remaining(deadline, "broadcast"), on_full=on_full)
+            with lock if lock is not None else contextlib.nullcontext():
+                trackers = send_frames(self.xpub, [topic, *frames], deadline, "broadcast to remote nodes",
+                                       cancel, wait_release=False)
+        try:
+            if ring is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    ring.send(frames, left, cancel, on_full)
+                except SendTimeout as e:
+                    raise SendTimeout(str(e), queued=True) from None
+        finally:  # even on a timeout: the caller may reuse its buffers once we return
+            wait_released(trackers, "broadcast to remote nodes", cancel)
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the ring and the XPUB socket; ``linger_s`` lets queued messages out."""
