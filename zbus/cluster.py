@@ -617,6 +617,9 @@ class Leader:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)  # it wakes every 200 ms at most
         try:
+            if not self.formed:  # followers still joining would otherwise wait out their timeout
+                for topic in list(self._subscribed)[:64]:
+                    self._send(topic, ["reject", "the leader stopped before the cluster formed"], 0.2)
             bye = self._send(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
         except zmq.ZMQError:
             bye = False
