@@ -111,6 +111,14 @@ class BrokenImportWorker(zbus.Worker):
         import zbus_module_that_does_not_exist  # noqa: F401
 
 
+class FollowerLacksAModuleWorker(zbus.Worker):
+    """Starts on the leader's node; on a follower a module it needs is missing."""
+
+    def __init__(self):
+        if os.environ["NODE_RANK"] != "0":
+            import zbus_module_that_does_not_exist  # noqa: F401
+
+
 class CustomExecutor(zbus.executor.MultiprocExecutor):
     """A user backend: counts calls."""
 

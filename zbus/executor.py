@@ -42,6 +42,7 @@ from .worker import Worker, import_object
 log = logging.getLogger(__name__)
 
 BACKENDS = ("mp", "inproc")
+STARTUP_REPORT_GRACE_S = 1.0  # how long a failed start-up waits for the worker's own report
 WorkerSpec = "type[Worker] | str"
 
 
@@ -534,16 +535,25 @@ class MultiprocExecutor(Executor):
             raise StartupError(self._startup_failure()) from None
 
     def _startup_failure(self) -> str:
-        """Why start-up failed: a worker's own report if one made it (its ring keeps
-        what was sent before the abort), else the death the monitor saw."""
-        for rank, rx in enumerate(self._receivers):
-            try:
-                reply = rx.get(0)
-            except (TimeoutError, RingClosed):
-                continue
-            if type(reply) is list and len(reply) == 4 and reply[1] == protocol.READY \
-                    and reply[2] != protocol.OK:
-                return f"worker rank {rank} failed to start:\n{getattr(reply[3], 'traceback', reply[3])}"
+        """Why start-up failed: a worker's own report if one made it (its queue keeps
+        what was sent before the abort), else the death the monitor saw. A remote
+        worker's report and its agent's death notice travel on different
+        connections, so the report gets a moment to arrive."""
+        deadline = time.monotonic() + STARTUP_REPORT_GRACE_S
+        pending = dict(enumerate(self._receivers))
+        while pending:
+            for rank, rx in list(pending.items()):
+                try:
+                    reply = rx.get(0)
+                except (TimeoutError, RingClosed):
+                    continue
+                del pending[rank]
+                if type(reply) is list and len(reply) == 4 and reply[1] == protocol.READY \
+                        and reply[2] != protocol.OK:
+                    return f"worker rank {rank} failed to start:\n{getattr(reply[3], 'traceback', reply[3])}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         return f"a worker died during start-up: {self._failure}"
 
     def _nodes_status(self) -> list[dict[str, Any]]:
