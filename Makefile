@@ -10,7 +10,12 @@ TORCH := torch==2.13.0
 # Machines of this project keep the CPU wheel of that torch in /opt/wheels.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: demo test lint bench venv clean
+# vLLM for `zbus bench --compare`, in a venv of its own: its wheel without its
+# dependencies (which name a CUDA torch), plus the few modules its message queue imports.
+VLLM_VENV := .venv-vllm
+VLLM := vllm==0.34.0 packaging urllib3 regex
+
+.PHONY: demo test lint bench bench-compare venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,5 +36,16 @@ test: venv
 bench: venv
 	$(VENV)/bin/zbus bench
 
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -e '.[test]'
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(VLLM)
+	touch $@
+
+bench-compare: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/zbus bench --compare
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -27,6 +27,31 @@ def test_bench_writes_json_and_redraws_a_plot(tmp_path):
             for n, u, t in ((1, "KiB", 100.0), (1, "MiB", 900.0), (16, "MiB", 5000.0))]
     plot_svg(rows, str(tmp_path / "p.svg"))
     svg = (tmp_path / "p.svg").read_text()
-    assert svg.startswith("<svg") and svg.count("<polyline") == 3 and "16 MiB" in svg
+    # zbus, pyzmq ipc and memcpy, in the latency panel and the bandwidth panel
+    assert svg.startswith("<svg") and svg.count("<polyline") == 6 and "16 MiB" in svg
     table = format_table(rows)
     assert "ratio" in table and table.count("0.67") == 3  # zbus / baseline, row by row
+
+
+def test_compare_runs_the_same_shapes_through_every_baseline(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=TEST_PATH)
+    r = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "--compare", "import", "--seconds", "0.05",
+                        "--json", str(out), "--plot", str(tmp_path / "p.svg")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    rows = [row for row in json.loads(out.read_text())["rows"] if row["scenario"] == "compare"]
+    shapes = ["no-op", "1 KiB tensor", "1 MiB tensor", "16 MiB tensor", "64 MiB tensor"]
+    expected = ["pyzmq ipc", "pyzmq TCP", "multiprocessing pipes"]
+    from zbus.baselines import vllm_available
+
+    why = vllm_available()
+    if why:
+        assert "vLLM's MessageQueue does not import" in r.stderr
+    else:
+        expected.append("vLLM MessageQueue")
+    assert [(row["baseline"], row["case"]) for row in rows] == [
+        (b, f"{s} to 2 workers") for b in expected for s in shapes]
+    assert all(row["ratio"] > 0 for row in rows)
+    assert all(row["extra"]["baseline CPU us/call"] > 0 for row in rows if row["case"].startswith("no-op"))
+    assert (tmp_path / "p.svg").read_text().count("<polyline") == 2 * (len(expected) + 2)

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from .baselines import PipeBaseline, ZmqBaseline, await_subscribers
 from .worker import Worker
 
 KiB, MiB = 2**10, 2**20
@@ -64,10 +65,12 @@ def _stats(samples: list[float]) -> tuple[float, float]:
 
 def paired(a: Callable[[], None], b: Callable[[], None] | None, seconds: float,
            block: int = 20, cpu: tuple[Callable[[], float], Callable[[], float]] | None = None,
-           ) -> tuple[list[float], list[float]]:
+           gap: float = 0.0) -> tuple[list[float], list[float]]:
     """Time calls of ``a`` and ``b`` in alternating blocks for about ``seconds``.
     With ``cpu`` (two functions giving each side's CPU seconds so far), the CPU
-    time per call of each side is left in ``paired.cpu_per_call``."""
+    time per call of each side is left in ``paired.cpu_per_call``. ``gap``
+    seconds of rest follow each block of ``b``, for a baseline whose processes
+    keep spinning for a while after their last message."""
     for f in (a, b):
         if f is not None:
             for _ in range(3):
@@ -87,6 +90,8 @@ def paired(a: Callable[[], None], b: Callable[[], None] | None, seconds: float,
                 out.append(time.perf_counter() - t)
             if cpu:
                 used[side] += cpu[side]() - c0
+            if side == 1 and gap:
+                time.sleep(gap)
     paired.cpu_per_call = (used[0] / max(1, len(sa)), used[1] / max(1, len(sb)))
     return sa, sb
 
@@ -104,121 +109,6 @@ def row(scenario: str, case: str, sa: list[float], sb: list[float], baseline: st
         **extra: Any) -> Row:
     m, p = _stats(sa)
     return Row(scenario, case, m, p, baseline, _stats(sb)[0] if sb else 0.0, extra)
-
-
-# --- baselines --------------------------------------------------------------------
-
-
-def _pipe_worker(conn: Any, reply: bool) -> None:
-    while True:
-        data = conn.recv_bytes()
-        if data == b"stop":
-            return
-        if reply:
-            conn.send_bytes(b"ok")
-
-
-class PipeBaseline:
-    """``n`` processes fed by multiprocessing pipes: the plain-Python way."""
-
-    def __init__(self, n: int, all_reply: bool):
-        ctx = multiprocessing.get_context("spawn")
-        self.pipes = [ctx.Pipe() for _ in range(n)]
-        self.repliers = [c for i, (c, _) in enumerate(self.pipes) if all_reply or i == 0]
-        self.procs = [ctx.Process(target=_pipe_worker, args=(w, all_reply or i == 0), daemon=True)
-                      for i, (_, w) in enumerate(self.pipes)]
-        for p in self.procs:
-            p.start()
-
-    def call(self, data: bytes = b"noop") -> None:
-        for c, _ in self.pipes:
-            c.send_bytes(data)
-        for c in self.repliers:
-            c.recv_bytes()
-
-    def close(self) -> None:
-        for c, _ in self.pipes:
-            c.send_bytes(b"stop")
-        for p in self.procs:
-            p.join(10)
-
-
-def _sub_worker(pub: str, push: str, index: int) -> None:
-    """A baseline subscriber: answers a message tagged ``probe``, ``all`` or its
-    own index; ``stop`` ends it."""
-    import zmq
-
-    ctx = zmq.Context()
-    sub, out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(pub)
-    out.connect(push)
-    out.send(b"hello")
-    while True:
-        tag = sub.recv_multipart(copy=False)[0].bytes
-        if tag == b"stop":
-            break
-        if tag in (b"probe", b"all") or tag == str(index).encode():
-            out.send(b"ok")
-    ctx.destroy(linger=0)
-
-
-def _await_subscribers(pub: Any, pull: Any, n: int) -> None:
-    """Wait until ``n`` subscribers said hello and hear the PUB socket (it drops
-    what it sends before a subscription lands, so probe until all answer)."""
-    for _ in range(n):
-        if not pull.poll(60_000):
-            raise TimeoutError("baseline subscribers did not start")
-        pull.recv()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        pub.send(b"probe")
-        got = 0
-        while pull.poll(300):
-            pull.recv()
-            got += 1
-        if got >= n:
-            return
-    raise TimeoutError("baseline subscribers do not hear the publisher")
-
-
-class ZmqBaseline:
-    """Raw pyzmq: PUB to ``n`` SUB processes (zero-copy frames), replies on PULL;
-    over ``ipc://`` here, or TCP when ``host`` is given."""
-
-    def __init__(self, n: int, host: str | None = None):
-        import zmq
-
-        self.ctx = zmq.Context()
-        self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
-        if host is None:
-            base = f"ipc:///tmp/zbus-bench-{os.getpid()}"
-            self.pub.bind(base + "-pub")
-            self.pull.bind(base + "-pull")
-            pub_addr, pull_addr = base + "-pub", base + "-pull"
-        else:
-            self.pub.bind(f"tcp://{host}:*")
-            self.pull.bind(f"tcp://{host}:*")
-            pub_addr = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            pull_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        ctx = multiprocessing.get_context("spawn")
-        self.procs = [ctx.Process(target=_sub_worker, args=(pub_addr, pull_addr, i), daemon=True)
-                      for i in range(n)]
-        for p in self.procs:
-            p.start()
-        _await_subscribers(self.pub, self.pull, n)
-
-    def call(self, payload: Any = b"", all_reply: bool = False) -> None:
-        frames = [b"all" if all_reply else b"0"] + ([payload] if len(payload) else [])
-        self.pub.send_multipart(frames, copy=len(payload) < 65536)
-        for _ in range(len(self.procs) if all_reply else 1):
-            self.pull.recv()
-
-    def close(self) -> None:
-        self.pub.send(b"stop")
-        for p in self.procs:
-            p.join(10)
-        self.ctx.destroy(linger=0)
 
 
 # --- scenarios --------------------------------------------------------------------
@@ -358,6 +248,69 @@ def bench_payload(seconds: float) -> list[Row]:
     return rows
 
 
+VLLM_SPIN_S = 1.1  # vLLM's readers spin for 1 s after their last message
+
+
+def bench_compare(seconds: float) -> list[Row]:
+    """``--compare``: the same shapes (a no-op, then 1 KiB .. 64 MiB tensors to 2
+    local workers, the reply from worker 0) through zbus and, pair by pair,
+    through what a user would use instead: raw pyzmq over ipc and over TCP,
+    multiprocessing pipes, and vLLM's MessageQueue when it imports. Baselines
+    that take bytes get the tensor's size in bytes; vLLM gets the tensor."""
+    from .baselines import VllmBaseline, vllm_available
+    from .executor import Executor
+
+    baselines: list[tuple[str, Callable[[], Any], float]] = [
+        ("pyzmq ipc", lambda: ZmqBaseline(2), 0.0),
+        ("pyzmq TCP", lambda: ZmqBaseline(2, "127.0.0.1"), 0.0),
+        ("multiprocessing pipes", lambda: PipeBaseline(2), 0.0)]
+    why = vllm_available()
+    if why:
+        print(f"compare: {why}; docs/benchmarks.md says how to install it", file=sys.stderr)
+    else:
+        baselines.append(("vLLM MessageQueue", lambda: VllmBaseline(2), VLLM_SPIN_S))
+    rows = []
+    with Executor(BenchWorker, nproc_per_node=2) as ex:
+        zbus_cpu = cpu_seconds([p.pid for p in ex._workers.procs])
+        for name, make, gap in baselines:
+            base = make()
+            try:
+                for size in (0, KiB, MiB, 16 * MiB, 64 * MiB):
+                    rows.append(_compare_one(ex, base, name, size, seconds, gap, zbus_cpu))
+            finally:
+                base.close()
+    return rows
+
+
+def _compare_one(ex: Any, base: Any, name: str, size: int, seconds: float, gap: float,
+                 zbus_cpu: Callable[[], float]) -> Row:
+    import torch
+
+    tensor = torch.zeros(size // 4) if size else None
+    if size:
+        mine = lambda: ex.collective_rpc("size", args=(tensor,), unique_reply_rank=0)  # noqa: E731
+    else:
+        mine = lambda: ex.collective_rpc("noop", unique_reply_rank=0)  # noqa: E731
+    if name.startswith("vLLM"):
+        theirs = lambda: base.call(tensor)  # noqa: E731
+    else:
+        raw = bytes(size) if size else b"noop"
+        theirs = lambda: base.call(raw)  # noqa: E731
+    big = size >= 16 * MiB
+    block = (10 if big else 200) if gap else (2 if big else 20)
+    cpu = None if size else (zbus_cpu, cpu_seconds([p.pid for p in base.procs]))
+    sa, sb = paired(mine, theirs, seconds, block=block, cpu=cpu, gap=gap)
+    r = row("compare", f"{'no-op' if not size else _size(size) + ' tensor'} to 2 workers", sa, sb, name)
+    if cpu:
+        za, zb = paired.cpu_per_call
+        r.extra = {"CPU us/call": za * 1e6, "baseline CPU us/call": zb * 1e6}
+    elif big:
+        copy = size / memcpy_seconds(size) / 1e9
+        r.extra = {"GB/s": size / (r.median_us / 1e6) / 1e9,
+                   "baseline GB/s": size / (r.baseline_median_us / 1e6) / 1e9, "memcpy GB/s": copy}
+    return r
+
+
 def bench_idle(seconds: float) -> list[Row]:
     """CPU of an idle worker over 5 s; wake-up of the first call after 1 s / 10 s idle."""
     import psutil
@@ -402,21 +355,6 @@ def bench_import() -> list[Row]:
 NODES_PORT = 29660
 
 
-def _rep_worker(address: str) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    rep = ctx.socket(zmq.REP)
-    rep.connect(address)
-    while True:
-        frames = rep.recv_multipart(copy=False)
-        if frames[0].bytes == b"stop":
-            rep.send(b"bye")
-            break
-        rep.send(b"ok")
-    ctx.destroy(linger=0)
-
-
 def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], iface: str) -> None:
     """Runs on the leader node: zbus over ``nnodes`` x 2 workers beside direct
     fan-out and a pyzmq TCP request/reply; prints one JSON row per line."""
@@ -439,11 +377,11 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
     pub, pull, req = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL), ctx.socket(zmq.REQ)
     ports = [s.bind_to_random_port(f"tcp://{host}") for s in (pub, pull, req)]
     remote = [(node, i) for node in range(1, nnodes) for i in range(2)]
-    procs = [spawn(node, f"from zbus.bench import _sub_worker as w; "
+    procs = [spawn(node, f"from zbus.baselines import sub_worker as w; "
                          f"w('tcp://{host}:{ports[0]}', 'tcp://{host}:{ports[1]}', {k})")
              for k, (node, _) in enumerate(remote)]
-    procs.append(spawn(1, f"from zbus.bench import _rep_worker as w; w('tcp://{host}:{ports[2]}')"))
-    _await_subscribers(pub, pull, len(remote))
+    procs.append(spawn(1, f"from zbus.baselines import rep_worker as w; w('tcp://{host}:{ports[2]}')"))
+    await_subscribers(pub, pull, len(remote))
     last = len(remote) - 1
 
     def direct(payload: Any) -> None:
@@ -595,62 +533,99 @@ def _size(n: int) -> str:
 SCENARIOS: dict[str, Callable[[float], list[Row]]] = {
     "ring": bench_ring, "rpc": bench_rpc, "payload": bench_payload, "nodes": bench_nodes,
     "curve": bench_curve, "idle": bench_idle,
-    "import": lambda seconds: bench_import(),
+    "import": lambda seconds: bench_import(), "compare": bench_compare,
 }
+DEFAULT_SCENARIOS = [name for name in SCENARIOS if name != "compare"]  # compare: with --compare
+
+
+def _size_of(case: str) -> int | None:
+    """The payload size a case names ("16 MiB tensor to 2 workers"), else None."""
+    n, unit = case.split(" ")[:2]
+    return int(n) * {"KiB": KiB, "MiB": MiB}[unit] if unit in ("KiB", "MiB") and n.isdigit() else None
+
+
+def plot_series(rows: list[Row]) -> dict[str, list[tuple[int, float]]]:
+    """Median latency (us) against payload size, per system, from the ``payload``
+    and ``compare`` rows; zbus figures measured several times keep their median."""
+    points: dict[str, dict[int, list[float]]] = {}
+
+    def add(name: str, size: int, us: float) -> None:
+        points.setdefault(name, {}).setdefault(size, []).append(us)
+
+    for r in rows:
+        size = _size_of(r.case)
+        if size is None or r.scenario not in ("payload", "compare"):
+            continue
+        kind = r.case.split(" ")[2]
+        if r.scenario == "payload" and r.baseline == "pyzmq ipc":
+            add(f"zbus, {kind}", size, r.median_us)
+            if kind == "tensor":
+                add("pyzmq ipc", size, r.baseline_median_us)
+        elif r.scenario == "compare":
+            add("zbus, tensor", size, r.median_us)
+            add(r.baseline, size, r.baseline_median_us)
+        if "memcpy GB/s" in r.extra and kind == "tensor":
+            add("one memcpy (same size)", size, size / (r.extra["memcpy GB/s"] * 1e9) * 1e6)
+    return {name: sorted((size, statistics.median(v)) for size, v in by_size.items())
+            for name, by_size in points.items()}
 
 
 def plot_svg(rows: list[Row], path: str) -> None:
-    """Latency against payload size (log-log), zbus beside its baselines, from the
-    ``payload`` rows: a plain SVG file, no plotting library needed."""
-    import math
-
-    series: dict[str, list[tuple[int, float]]] = {}
-    for r in rows:
-        if r.scenario != "payload" or r.baseline != "pyzmq ipc":
-            continue
-        size_text, kind = r.case.split(" ")[:2], r.case.split(" ")[2]
-        size = int(size_text[0]) * (MiB if size_text[1] == "MiB" else KiB)
-        series.setdefault(f"zbus, {kind}", []).append((size, r.median_us))
-        if kind == "tensor":
-            series.setdefault("raw pyzmq ipc, bytes", []).append((size, r.baseline_median_us))
-            if "memcpy GB/s" in r.extra:
-                series.setdefault("one memcpy (same size)", []).append(
-                    (size, size / (r.extra["memcpy GB/s"] * 1e9) * 1e6))
+    """Two log-log panels, median latency and bandwidth against payload size, zbus
+    beside its baselines: a plain SVG file, no plotting library needed."""
+    series = plot_series(rows)
     if not series:
-        raise ValueError("no payload rows to plot: run the 'payload' scenario")
-    w, h, left, bottom, top, right = 720, 440, 70, 50, 30, 190
-    xs = [x for pts in series.values() for x, _ in pts]
-    ys = [y for pts in series.values() for _, y in pts]
-    lx = (math.log10(min(xs)), math.log10(max(xs)))
-    ly = (math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys))))
-    px = lambda x: left + (math.log10(x) - lx[0]) / (lx[1] - lx[0]) * (w - left - right)  # noqa: E731
-    py = lambda y: h - bottom - (math.log10(y) - ly[0]) / (ly[1] - ly[0]) * (h - top - bottom)  # noqa: E731
-    colors = ["#1f5fbf", "#7fa8e8", "#d9534f", "#999999"]
+        raise ValueError("no payload rows to plot: run the 'payload' or 'compare' scenario")
+    bandwidth = {name: [(x, x / (y / 1e6) / 1e9) for x, y in pts] for name, pts in series.items()}
+    w, h = 1020, 440
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="Helvetica" '
            f'font-size="11"><rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{left}" y="18" font-size="13">collective_rpc to 2 local workers: median latency '
-           'against payload size</text>']
-    for e in range(ly[0], ly[1] + 1):
-        y = py(10**e)
-        out.append(f'<line x1="{left}" x2="{w - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>'
-                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{10**e:g} us</text>')
-    for x in sorted(set(xs)):
-        label = f"{x // MiB} MiB" if x >= MiB else f"{x // KiB} KiB"
-        out.append(f'<text x="{px(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{label}</text>')
-    out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{h - bottom}" stroke="black"/>'
-               f'<line x1="{left}" x2="{w - right}" y1="{h - bottom}" y2="{h - bottom}" stroke="black"/>')
-    for i, (name, pts) in enumerate(series.items()):
-        c = colors[i % len(colors)]
-        pts = sorted(pts)
-        line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<polyline points="{line}" fill="none" stroke="{c}" stroke-width="2"/>')
-        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>' for x, y in pts]
-        ly_ = top + 20 + 18 * i
-        out.append(f'<line x1="{w - right + 12}" x2="{w - right + 32}" y1="{ly_}" y2="{ly_}" stroke="{c}" '
-                   f'stroke-width="2"/><text x="{w - right + 38}" y="{ly_ + 4}">{name}</text>')
+           '<text x="60" y="18" font-size="13">2 local workers, reply from worker 0: median latency and '
+           'bandwidth against payload size (log-log)</text>']
+    out += _panel(series, 60, 400, h, "us", "latency")
+    out += _panel(bandwidth, 470, 400, h, "GB/s", "bandwidth")
+    colors = _colors(series)
+    for i, name in enumerate(series):
+        y = 40 + 18 * i
+        out.append(f'<line x1="890" x2="910" y1="{y}" y2="{y}" stroke="{colors[name]}" stroke-width="2"/>'
+                   f'<text x="915" y="{y + 4}">{name}</text>')
     out.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(out))
+
+
+def _colors(series: dict) -> dict[str, str]:
+    palette = ["#1f5fbf", "#7fa8e8", "#d9534f", "#f0ad4e", "#5cb85c", "#8e44ad", "#999999", "#333333"]
+    return {name: palette[i % len(palette)] for i, name in enumerate(series)}
+
+
+def _panel(series: dict[str, list[tuple[int, float]]], left: int, width: int, h: int, unit: str,
+           title: str) -> list[str]:
+    """One log-log panel (axes, grid, a line per series), ``left`` px from the edge."""
+    import math
+
+    bottom, top = 50, 40
+    xs = [x for pts in series.values() for x, _ in pts]
+    ys = [y for pts in series.values() for _, y in pts]
+    lx = (math.log10(min(xs)), math.log10(max(xs)) + 1e-9)
+    ly = (math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys))) + 1e-9)
+    px = lambda x: left + (math.log10(x) - lx[0]) / (lx[1] - lx[0]) * width  # noqa: E731
+    py = lambda y: h - bottom - (math.log10(y) - ly[0]) / (ly[1] - ly[0]) * (h - top - bottom)  # noqa: E731
+    out = [f'<text x="{left}" y="{top - 6}" font-size="12">{title} ({unit})</text>']
+    for e in range(int(ly[0]), int(ly[1]) + 1):
+        y = py(10**e)
+        out.append(f'<line x1="{left}" x2="{left + width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>'
+                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{10**e:g}</text>')
+    for x in sorted(set(xs)):
+        out.append(f'<text x="{px(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{_size(x)}</text>')
+    out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{h - bottom}" stroke="black"/>'
+               f'<line x1="{left}" x2="{left + width}" y1="{h - bottom}" y2="{h - bottom}" stroke="black"/>')
+    for name, c in _colors(series).items():
+        pts = series[name]
+        line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        out.append(f'<polyline points="{line}" fill="none" stroke="{c}" stroke-width="2"/>')
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>' for x, y in pts]
+    return out
 
 
 def load_rows(path: str) -> list[Row]:

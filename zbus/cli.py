@@ -68,9 +68,12 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import SCENARIOS, run
+    from .bench import DEFAULT_SCENARIOS, run
 
-    return run(args.scenarios or list(SCENARIOS), args.seconds, args.json, plot_path=args.plot,
+    scenarios = args.scenarios or list(DEFAULT_SCENARIOS)
+    if args.compare and "compare" not in scenarios:
+        scenarios.append("compare")
+    return run(scenarios, args.seconds, args.json, plot_path=args.plot,
                from_json=args.from_json, markdown=args.markdown)
 
 
@@ -154,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure zbus beside baselines, in one run", description=(
         "Run the benchmark suite and print medians, p99 and the ratio to a baseline "
         "measured in the same run (alternating blocks). Scenarios: ring, rpc, payload, "
-        "nodes, curve, idle, import (default: all)."))
+        "nodes, curve, idle, import (default: all of these), and compare (with --compare)."))
     bench.add_argument("scenarios", nargs="*", help="which scenarios (default: all)")
     bench.add_argument("--seconds", type=float, default=2.0,
                        help="measuring time per pair of figures (default 2)")
@@ -164,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--from-json", default=None, metavar="PATH",
                        help="run nothing: print (and --plot) the rows of an earlier --json")
     bench.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    bench.add_argument("--compare", action="store_true", help=(
+        "also run the same shapes through raw pyzmq (ipc, TCP), multiprocessing pipes and, "
+        "when it imports, vLLM's MessageQueue"))
     bench.set_defaults(func=_bench)
     return parser
 

@@ -1,0 +1,223 @@
+"""What a user would run instead of zbus, for ``zbus bench`` to measure beside it:
+multiprocessing pipes, raw pyzmq (ipc or TCP) and vLLM's shared-memory
+``MessageQueue``. Each drives ``n`` worker processes with one call shape: send
+one payload to all, wait for the reply of worker 0 (or of all).
+
+vLLM is used only when it is importable; ``docs/benchmarks.md`` says how to
+install just what its message queue needs, without a CUDA torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from typing import Any
+
+VLLM_QUEUE = "vllm.distributed.device_communicators.shm_broadcast"
+
+
+def _spawn() -> Any:
+    return multiprocessing.get_context("spawn")
+
+
+def _pipe_worker(conn: Any, reply: bool) -> None:
+    while True:
+        data = conn.recv_bytes()
+        if data == b"stop":
+            return
+        if reply:
+            conn.send_bytes(b"ok")
+
+
+class PipeBaseline:
+    """``n`` processes fed by multiprocessing pipes: the plain-Python way."""
+
+    def __init__(self, n: int, all_reply: bool = False):
+        ctx = _spawn()
+        self.pipes = [ctx.Pipe() for _ in range(n)]
+        self.repliers = [c for i, (c, _) in enumerate(self.pipes) if all_reply or i == 0]
+        self.procs = [ctx.Process(target=_pipe_worker, args=(w, all_reply or i == 0), daemon=True)
+                      for i, (_, w) in enumerate(self.pipes)]
+        for p in self.procs:
+            p.start()
+
+    def call(self, data: Any = b"noop") -> None:
+        for c, _ in self.pipes:
+            c.send_bytes(data)
+        for c in self.repliers:
+            c.recv_bytes()
+
+    def close(self) -> None:
+        for c, _ in self.pipes:
+            c.send_bytes(b"stop")
+        for p in self.procs:
+            p.join(10)
+
+
+def sub_worker(pub: str, push: str, index: int) -> None:
+    """A pyzmq subscriber: answers a message tagged ``probe``, ``all`` or its own
+    index; ``stop`` ends it."""
+    import zmq
+
+    ctx = zmq.Context()
+    sub, out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    out.connect(push)
+    out.send(b"hello")
+    while True:
+        tag = sub.recv_multipart(copy=False)[0].bytes
+        if tag == b"stop":
+            break
+        if tag in (b"probe", b"all") or tag == str(index).encode():
+            out.send(b"ok")
+    ctx.destroy(linger=0)
+
+
+def await_subscribers(pub: Any, pull: Any, n: int) -> None:
+    """Wait until ``n`` subscribers said hello and hear the PUB socket (it drops
+    what it sends before a subscription lands, so probe until all answer)."""
+    for _ in range(n):
+        if not pull.poll(60_000):
+            raise TimeoutError("baseline subscribers did not start")
+        pull.recv()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pub.send(b"probe")
+        got = 0
+        while pull.poll(300):
+            pull.recv()
+            got += 1
+        if got >= n:
+            return
+    raise TimeoutError("baseline subscribers do not hear the publisher")
+
+
+class ZmqBaseline:
+    """Raw pyzmq: PUB to ``n`` SUB processes (zero-copy frames), replies on PULL;
+    over ``ipc://`` here, or TCP when ``host`` is given."""
+
+    def __init__(self, n: int, host: str | None = None):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
+        if host is None:
+            base = f"ipc:///tmp/zbus-bench-{os.getpid()}-{id(self)}"
+            self.pub.bind(base + "-pub")
+            self.pull.bind(base + "-pull")
+        else:
+            self.pub.bind(f"tcp://{host}:*")
+            self.pull.bind(f"tcp://{host}:*")
+        pub_addr = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        pull_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.procs = [_spawn().Process(target=sub_worker, args=(pub_addr, pull_addr, i), daemon=True)
+                      for i in range(n)]
+        for p in self.procs:
+            p.start()
+        await_subscribers(self.pub, self.pull, n)
+
+    def call(self, payload: Any = b"", all_reply: bool = False) -> None:
+        frames = [b"all" if all_reply else b"0"] + ([payload] if len(payload) else [])
+        self.pub.send_multipart(frames, copy=len(payload) < 65536)
+        for _ in range(len(self.procs) if all_reply else 1):
+            self.pull.recv()
+
+    def close(self) -> None:
+        self.pub.send(b"stop")
+        for p in self.procs:
+            p.join(10)
+        self.ctx.destroy(linger=0)  # also removes the ipc socket files
+
+
+def rep_worker(address: str) -> None:
+    """A pyzmq REP socket answering ``ok`` until ``stop``."""
+    import zmq
+
+    ctx = zmq.Context()
+    rep = ctx.socket(zmq.REP)
+    rep.connect(address)
+    while True:
+        frames = rep.recv_multipart(copy=False)
+        if frames[0].bytes == b"stop":
+            rep.send(b"bye")
+            break
+        rep.send(b"ok")
+    ctx.destroy(linger=0)
+
+
+# --- vLLM ---------------------------------------------------------------------------
+
+
+def vllm_available() -> str | None:
+    """None when vLLM's MessageQueue imports, else why it does not."""
+    import importlib
+
+    try:
+        importlib.import_module(VLLM_QUEUE)
+    except Exception as e:  # noqa: BLE001 - any failure means: not comparable here
+        return f"vLLM's MessageQueue does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def _vllm_worker(handle: Any, rank: int, conn: Any) -> None:
+    """One vLLM-style worker: dequeue (method, args, kwargs, output_rank) from the
+    broadcast queue, run it, and enqueue (status, result) on its own response
+    queue when it is the output rank, as vLLM's ``WorkerProc`` does."""
+    import importlib
+
+    mq = importlib.import_module(VLLM_QUEUE).MessageQueue
+    bcast = mq.create_from_handle(handle, rank)
+    resp = mq(1, 1)
+    conn.send(resp.export_handle())
+    bcast.wait_until_ready()
+    resp.wait_until_ready()
+    while True:
+        method, args, _, output_rank = bcast.dequeue(indefinite=True)
+        if method == "stop":
+            break
+        value = None if method == "noop" else int(getattr(args[0], "nbytes", 0) or len(args[0]))
+        if output_rank is None or output_rank == rank:
+            resp.enqueue(("ok", value))
+    del bcast, resp
+
+
+class VllmBaseline:
+    """vLLM's shared-memory ``MessageQueue`` wired as its multiprocess executor
+    wires it: one broadcast queue of 16 MiB chunks to ``n`` local workers, one
+    response queue per worker (its defaults), the reply from worker 0."""
+
+    def __init__(self, n: int):
+        import importlib
+
+        mq = importlib.import_module(VLLM_QUEUE).MessageQueue
+        ctx = _spawn()
+        self.bcast = mq(n, n, max_chunk_bytes=16 * 2**20)
+        pipes = [ctx.Pipe() for _ in range(n)]
+        self.procs = [ctx.Process(target=_vllm_worker, args=(self.bcast.export_handle(), i, w), daemon=True)
+                      for i, (_, w) in enumerate(pipes)]
+        for p in self.procs:
+            p.start()
+        handles = []
+        for r, _ in pipes:
+            if not r.poll(120):
+                raise TimeoutError("vLLM baseline workers did not start")
+            handles.append(r.recv())
+        self.responses = [mq.create_from_handle(h, 0) for h in handles]
+        self.bcast.wait_until_ready()
+        for q in self.responses:
+            q.wait_until_ready()
+
+    def call(self, payload: Any = None) -> None:
+        args = () if payload is None else (payload,)
+        self.bcast.enqueue(("noop" if payload is None else "size", args, {}, 0), timeout=60)
+        status, _ = self.responses[0].dequeue(timeout=60)
+        assert status == "ok"
+
+    def close(self) -> None:
+        self.bcast.enqueue(("stop", (), {}, None), timeout=10)
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
