@@ -281,3 +281,32 @@ def test_tensor_parallel_example_runs():
                         f"runpy.run_path('{example}', run_name='__main__')", stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and out.count(b"matches the single-process reference") == 3
+
+
+def test_worker_message_handling_byte_for_byte():
+    from zbus import codec, protocol
+    from zbus.worker import ReplyPipe, handle
+
+    worker = workers.EchoWorker.__new__(workers.EchoWorker)
+    worker.rank, worker.tag, worker.calls = 0, "w", 0
+    sent: list = []
+    replies = ReplyPipe(sent.append)
+
+    def call(method, payload, reply_rank=-1):
+        envelope = codec.encode([protocol.CALL, 7, method, reply_rank, len(payload)])
+        assert handle(worker, [*envelope, *payload], replies, False)
+        return sent.pop()
+
+    # a call without arguments carries the one pre-encoded frame
+    assert call("echo", [protocol.NO_ARGS]) == [7, protocol.OK, ((), {})]
+    assert call("echo", codec.encode(((1, "x"), {"k": 2}))) == [7, protocol.OK, ((1, "x"), {"k": 2})]
+    assert call("rank_value", [protocol.NO_ARGS])[1] == protocol.RAISED  # its argument is missing
+    status, value = call("echo", [b"\xc1"])[1:]
+    assert status == protocol.REFUSED and "cannot decode the arguments" in str(value)
+    envelope = codec.encode([protocol.CALL, 8, "echo", 1, 1])  # only rank 1 replies
+    assert handle(worker, [*envelope, protocol.NO_ARGS], replies, False) and not sent
+    assert not handle(worker, codec.encode([protocol.STOP]), replies, False)
+    for bad in ([b"\xc1"], [b"\x93\x01\x02\x03"], [b"\xd4\x63\x00"], codec.encode({"a": 1})):
+        with pytest.raises(zbus.errors.CodecError):
+            handle(worker, bad, replies, False)
+    assert not sent

@@ -610,7 +610,7 @@ class MultiprocExecutor(Executor):
         if not self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline, method)):
             raise TimeoutError(f"collective_rpc({method!r}) timed out waiting to send")
         try:
-            payload = codec.encode((tuple(args), kwargs or {}))
+            payload = codec.encode((tuple(args), kwargs or {})) if args or kwargs else [protocol.NO_ARGS]
             self._seq += 1
             frames = [*codec.encode([protocol.CALL, self._seq, method,
                                      unique_reply_rank if unique else -1, len(payload)]), *payload]

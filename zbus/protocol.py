@@ -9,12 +9,18 @@ Broadcast (driver -> every worker), encoded with :mod:`zbus.codec`:
   cannot decode are answered with the error (reply_rank -1: every rank replies);
 - ``[STOP]``.
 
+The envelope is plain msgpack (no extension types), so it is decoded without the
+codec's hooks.
+
 Reply (one worker -> the driver): ``[rank, seq, status, value]``; the READY reply
 has ``seq == READY``. ``status`` says what ``value`` is: the result (OK), the
 exception the method raised (RAISED, as :class:`zbus.codec.ExceptionInfo`), or why
 the call was refused before it ran (REFUSED).
 """
 
+from . import codec
+
 CALL, STOP = 1, 2
+NO_ARGS = codec.encode(((), {}))[0]  # the arguments of most calls, encoded once
 READY = -1
 OK, RAISED, REFUSED = 0, 1, 2

@@ -258,15 +258,20 @@ class RingWriter(_Ring):
         """
         if self._i[_I_STATE] != _OPEN:
             raise RingClosed(f"ring {self.name} is closed")
+        views = [f if isinstance(f, memoryview) and f.format == "B" and f.ndim == 1
+                 else memoryview(f).cast("B") for f in frames]
+        lens = [v.nbytes for v in views]
+        offsets, total = _layout(lens)
+        if self._pending is None and total <= self.chunk_bytes and (
+                self._seq - self._min_read < self.n_chunks or self._has_space()):
+            self._send_small(views, lens, offsets, total)  # most calls: one chunk, no wait
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.flush(deadline, cancel, on_full)
         except TimeoutError as e:
             raise SendTimeout(str(e), queued=False) from None
-        views = [f if isinstance(f, memoryview) and f.format == "B" and f.ndim == 1
-                 else memoryview(f).cast("B") for f in frames]
-        offsets, total = _layout([v.nbytes for v in views])
-        header = struct.pack(f"<{len(views) + 2}Q", total, len(views), *(v.nbytes for v in views))
+        header = struct.pack(f"<{len(views) + 2}Q", total, len(views), *lens)
         pieces: list[memoryview] = []
         at = 0
         for view, off in zip([memoryview(header), *views], [0, *offsets]):
@@ -286,6 +291,19 @@ class RingWriter(_Ring):
             if isinstance(e, TimeoutError):
                 raise SendTimeout(str(e), queued=True) from None
             raise
+
+    def _send_small(self, views: list[memoryview], lens: list[int], offsets: list[int], total: int) -> None:
+        """Write a message that fits one free chunk: header, frames and the padding
+        between them, straight into the chunk."""
+        buf, pos = self._buf, self._chunk(self._seq)
+        struct.pack_into(f"<{len(views) + 2}Q", buf, pos, total, len(views), *lens)
+        at = 16 + 8 * len(views)
+        for view, off, n in zip(views, offsets, lens):
+            if off > at:
+                buf[pos + at:pos + off] = _PAD[:off - at]
+            buf[pos + off:pos + off + n] = view
+            at = off + n
+        self._publish()
 
     def flush(self, deadline: float | None = None, cancel: Any = None,
               on_full: Callable[[], None] | None = None) -> None:
