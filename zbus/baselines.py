@@ -131,6 +131,20 @@ class ZmqBaseline:
         self.ctx.destroy(linger=0)  # also removes the ipc socket files
 
 
+def relay(pub: str, local: str) -> None:
+    """A node relay in raw pyzmq: subscribe to the leader's PUB and republish every
+    message on this node's ``local`` PUB, inside libzmq (``zmq.proxy``): the
+    shape of zbus's node agent with no Python on the hop. Ends with its process."""
+    import zmq
+
+    ctx = zmq.Context()
+    sub, out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    out.bind(local)
+    zmq.proxy(sub, out)
+
+
 def rep_worker(address: str) -> None:
     """A pyzmq REP socket answering ``ok`` until ``stop``."""
     import zmq

@@ -375,18 +375,30 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
 
     ctx = zmq.Context()
     pub, pull, req = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL), ctx.socket(zmq.REQ)
-    ports = [s.bind_to_random_port(f"tcp://{host}") for s in (pub, pull, req)]
+    rpub, rpull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)  # through one relay per node
+    ports = [s.bind_to_random_port(f"tcp://{host}") for s in (pub, pull, req, rpub, rpull)]
     remote = [(node, i) for node in range(1, nnodes) for i in range(2)]
     procs = [spawn(node, f"from zbus.baselines import sub_worker as w; "
                          f"w('tcp://{host}:{ports[0]}', 'tcp://{host}:{ports[1]}', {k})")
              for k, (node, _) in enumerate(remote)]
     procs.append(spawn(1, f"from zbus.baselines import rep_worker as w; w('tcp://{host}:{ports[2]}')"))
+    local = "ipc://@zbus-bench-relay-{}-" + str(os.getpid())  # abstract: one per network namespace
+    relays = [spawn(node, f"from zbus.baselines import relay as r; r('tcp://{host}:{ports[3]}', "
+                          f"'{local.format(node)}')") for node in range(1, nnodes)]
+    procs += [spawn(node, f"from zbus.baselines import sub_worker as w; "
+                          f"w('{local.format(node)}', 'tcp://{host}:{ports[4]}', {k})")
+              for k, (node, _) in enumerate(remote)]
     await_subscribers(pub, pull, len(remote))
+    await_subscribers(rpub, rpull, len(remote))
     last = len(remote) - 1
 
     def direct(payload: Any) -> None:
         pub.send_multipart([str(last).encode(), payload], copy=len(payload) < 65536)
         pull.recv()
+
+    def relayed(payload: Any) -> None:
+        rpub.send_multipart([str(last).encode(), payload], copy=len(payload) < 65536)
+        rpull.recv()
 
     def reqrep(payload: Any) -> None:
         req.send_multipart([b"x", payload], copy=len(payload) < 65536)
@@ -407,6 +419,8 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
                 sa, sb = paired(call, lambda r=raw: direct(r), seconds / 2, block=blk)
                 case = f"{nnodes} nodes, {'no-op' if not size else _size(size)}, reply from rank {world - 1}"
                 emit(row("nodes", case, sa, sb, "direct fan-out"))
+                sa, sb = paired(call, lambda r=raw: relayed(r), seconds / 2, block=blk)
+                emit(row("nodes", case, sa, sb, "pyzmq relay per node"))
                 sa, sb = paired(call, lambda r=raw: reqrep(r), seconds / 2, block=blk)
                 emit(row("nodes", case, sa, sb, "pyzmq TCP req/rep"))
             payload, n = torch.zeros(4 * MiB), 5  # 16 MiB
@@ -421,12 +435,16 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
                          extra={"payloads per broadcast": per / (16 * MiB)}, unit="B"))
     finally:
         pub.send(b"stop")
+        rpub.send(b"stop")
         req.send_multipart([b"stop", b""])
         for p in procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for p in relays:  # a relay runs until it is ended
+            p.kill()
+            p.wait(10)
         ctx.destroy(linger=0)
 
 
