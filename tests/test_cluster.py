@@ -307,3 +307,29 @@ def test_a_hung_follower_worker_times_the_call_out_within_its_limit():
         assert proc.wait(30) == 0
     finally:
         end_process(proc)
+
+
+def test_a_caller_reading_its_replies_keeps_heartbeats_and_control_messages_served():
+    from zbus.cluster import query_status
+
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:  # the node is lost after 2 s unheard
+            status = {}
+
+            def ask():
+                time.sleep(1.0)  # while the call below waits, reading the leader's socket itself
+                status.update(query_status("127.0.0.1", port, timeout=10))
+
+            asker = threading.Thread(target=ask)
+            asker.start()
+            # waits on rank 1 alone, so it reads the socket all along: twice the liveness limit
+            assert ex.collective_rpc("sleep", args=(4,), unique_reply_rank=1, timeout=30) == 1
+            asker.join(30)
+            assert status["world_size"] == 2 and [n["node_rank"] for n in status["nodes"]] == [0, 1]
+            ex.check_health()
+            assert ex.collective_rpc("rank_value", args=(3,), timeout=30) == [30, 31]
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)

@@ -192,12 +192,15 @@ class NodeInfo:
 
 
 class RemoteReceiver:
-    """Replies of one remote rank, filled by the leader's I/O thread; the same
-    ``get``/``poll`` interface as the shared-memory response queue."""
+    """Replies of one remote rank; the same ``get``/``poll`` interface as the
+    shared-memory response queue. A thread waiting here reads the leader's PULL
+    socket itself when no other thread is (``pump``), so a reply reaches it with
+    no hand-over between threads; else the reading thread files replies here."""
 
-    def __init__(self, rank: int, cond: threading.Condition):
+    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool]):
         self.rank = rank
         self._cond = cond
+        self._pump = pump
         self._queue: collections.deque = collections.deque()
         self._aborted = False
 
@@ -205,16 +208,23 @@ class RemoteReceiver:
         self._queue.append(reply)
 
     def poll(self) -> bool:
+        if not self._queue:
+            self._pump(0.0)
         return bool(self._queue)
 
     def get(self, timeout: float | None = None, cancel: Any = None) -> Any:
         deadline = deadline_of(timeout)
-        with self._cond:
-            while not self._queue:
+        while True:
+            with self._cond:
+                if self._queue:
+                    return self._queue.popleft()
                 if self._aborted:
                     raise RingClosed(f"replies of rank {self.rank} aborted")
-                self._cond.wait(0.5 if deadline is None else min(0.5, remaining(deadline, "reply")))
-            return self._queue.popleft()
+            left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
+            if not self._pump(left):  # another thread reads the socket: it files our reply
+                with self._cond:
+                    if not self._queue and not self._aborted:
+                        self._cond.wait(left)
 
     def abort(self) -> None:
         with self._cond:
@@ -225,10 +235,19 @@ class RemoteReceiver:
         self.abort()
 
 
+PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
+CALLERS_QUIET_S = 0.1  # the I/O thread reads the PULL socket once callers left it this long
+
+
 class Leader:
     """The leader's side of the cluster: binds the two ports, admits nodes, relays
-    heartbeats, and routes remote replies to per-rank receivers. One I/O thread
-    owns the PULL socket; the XPUB socket is shared under a lock."""
+    heartbeats, and routes remote replies to per-rank receivers.
+
+    The PULL socket is read under ``pull_lock`` by one thread at a time: by a
+    caller waiting for replies (:meth:`pump`), else by the I/O thread. A caller
+    files replies and heartbeats itself and leaves every other message to the
+    I/O thread (so failures and admissions are handled in one place). The XPUB
+    socket is shared under ``xpub_lock``."""
 
     def __init__(self, settings: ClusterSettings, broadcaster_factory: Callable[..., Broadcaster],
                  on_failure: Callable[[Exception], None], curve_dir: str | None = None,
@@ -256,6 +275,11 @@ class Leader:
             self.ctx.destroy(linger=0)
             raise
         self.xpub_lock = threading.RLock()  # the I/O thread sends welcomes while reading it
+        self.pull_lock = threading.Lock()
+        self._caller_seen = 0.0  # when a caller last wanted the PULL socket
+        self._control: collections.deque = collections.deque()  # read by a caller, for the I/O thread
+        self._wake = threading.Event()
+        self._pull_closed = False
         self.nodes: dict[int, NodeInfo] = {}
         self.cond = threading.Condition()
         self.receivers: dict[int, RemoteReceiver] = {}
@@ -364,7 +388,7 @@ class Leader:
                         time.monotonic())
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
-            self.receivers[rank] = RemoteReceiver(rank, self.cond)
+            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump)
         sent = self._send(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
@@ -462,9 +486,9 @@ class Leader:
         return msg
 
     def _run(self) -> None:
-        """The I/O thread: replies and control from the nodes, subscriptions while
-        the cluster forms (the XPUB socket is then only ours), heartbeats and
-        liveness."""
+        """The I/O thread: heartbeats and liveness, subscriptions while the cluster
+        forms (the XPUB socket is then only ours), the messages a caller left to
+        it, and the PULL socket whenever no caller has wanted it for a while."""
         s = self.settings
         next_hb = 0.0
         try:
@@ -481,18 +505,59 @@ class Leader:
                 if not self.formed:
                     wait_ms = min(wait_ms, 50)
                     self._probe()
-                if self.pull.poll(wait_ms, zmq.POLLIN):
-                    for _ in range(256):  # bounded: heartbeats and joins go on under a flood
-                        if not self.pull.poll(0, zmq.POLLIN):
-                            break
-                        msg = self._recv_control()
-                        try:
-                            self._dispatch(msg)
-                        except Exception as e:  # noqa: BLE001 - a bad message must not stop this thread
-                            self._drop(f"a message that broke its handler: {type(e).__name__}: {e}")
+                self._wake.clear()
+                while self._control:  # what a caller read and left to us
+                    self._dispatch_safely(self._control.popleft())
+                wait_ms = min(wait_ms, 50)
+                if time.monotonic() - self._caller_seen < CALLERS_QUIET_S:
+                    self._wake.wait(wait_ms / 1000)  # callers read the socket
+                elif self.pull_lock.acquire(timeout=wait_ms / 1000):
+                    try:
+                        self._read_pull(wait_ms, caller=False)
+                    finally:
+                        self.pull_lock.release()
+                    with self.cond:
+                        self.cond.notify_all()  # a caller that waited for the socket may take it
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 self._fail(ExecutorFailedError(f"leader I/O failed: {e}"))
+
+    def pump(self, timeout: float) -> bool:
+        """Read the PULL socket in this thread for up to ``timeout`` seconds (until
+        something arrives), if no other thread is reading it; False if one is."""
+        self._caller_seen = time.monotonic()
+        if not self.pull_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._pull_closed:
+                self._read_pull(int(timeout * 1000), caller=True)
+        except zmq.ZMQError:
+            pass  # the socket is closing: the receivers are aborted with it
+        finally:
+            self.pull_lock.release()
+        return True
+
+    def _read_pull(self, timeout_ms: int, caller: bool) -> None:
+        """Take what the PULL socket has (waiting up to ``timeout_ms`` for the first
+        message), at most 256 messages, so the I/O thread's timers go on under a
+        flood. A caller files replies and heartbeats; the rest goes to the I/O thread."""
+        if not self.pull.poll(timeout_ms, zmq.POLLIN):
+            return
+        for _ in range(256):
+            if not self.pull.poll(0, zmq.POLLIN):
+                break
+            msg = self._recv_control()
+            if caller and msg is not None and type(msg[0]) is not int and msg[0] != "hb":
+                self._control.append(msg)
+                self._wake.set()
+            else:
+                self._dispatch_safely(msg)
+
+    def _dispatch_safely(self, msg: Any) -> None:
+        try:
+            self._dispatch(msg)
+        except Exception as e:  # noqa: BLE001 - a bad message must not stop the reader
+            self._drop(f"a message that broke its handler: {type(e).__name__}: {e}")
 
     def _read_subscriptions(self) -> None:
         """Take the XPUB socket's subscription notices (a node topic means a node
@@ -614,6 +679,7 @@ class Leader:
     def close(self) -> None:
         """Say bye to the nodes (best effort, bounded) and close everything."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)  # it wakes every 200 ms at most
         try:
@@ -624,7 +690,11 @@ class Leader:
         except zmq.ZMQError:
             bye = False
         self.abort_receivers()
+        locked = self.pull_lock.acquire(timeout=1.0)  # a caller leaves it within a slice
+        self._pull_closed = True
         self.pull.close(linger=0)
+        if locked:
+            self.pull_lock.release()
         self.bcast.close(linger_s=1.0 if bye else 0.0)
         if self.curve is not None:
             self.curve.close()
