@@ -70,7 +70,8 @@ def paired(a: Callable[[], None], b: Callable[[], None] | None, seconds: float,
     With ``cpu`` (two functions giving each side's CPU seconds so far), the CPU
     time per call of each side is left in ``paired.cpu_per_call``. ``gap``
     seconds of rest follow each block of ``b``, for a baseline whose processes
-    keep spinning for a while after their last message."""
+    keep spinning for a while after their last message; ``a`` then runs a quarter
+    block untimed, so neither side is timed on a machine just woken from idle."""
     for f in (a, b):
         if f is not None:
             for _ in range(3):
@@ -92,6 +93,8 @@ def paired(a: Callable[[], None], b: Callable[[], None] | None, seconds: float,
                 used[side] += cpu[side]() - c0
             if side == 1 and gap:
                 time.sleep(gap)
+                for _ in range(block // 4):  # untimed: a machine idle that long wakes slowly
+                    a()
     paired.cpu_per_call = (used[0] / max(1, len(sa)), used[1] / max(1, len(sb)))
     return sa, sb
 
