@@ -320,6 +320,12 @@ def test_a_caller_reading_its_replies_keeps_heartbeats_and_control_messages_serv
 
             def ask():
                 time.sleep(1.0)  # while the call below waits, reading the leader's socket itself
+                flood = zmq.Context.instance().socket(zmq.PUSH)
+                flood.setsockopt(zmq.LINGER, 0)
+                flood.connect(f"tcp://127.0.0.1:{port + 1}")
+                for i in range(20000):  # each answered on the XPUB socket: a slow kind of message
+                    flood.send_multipart(codec.encode(["status", f"t{i}"]))
+                flood.close()
                 status.update(query_status("127.0.0.1", port, timeout=10))
 
             asker = threading.Thread(target=ask)

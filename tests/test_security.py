@@ -9,6 +9,7 @@ import stat
 import subprocess
 import time
 
+import numpy as np
 import pytest
 import workers
 import zmq
@@ -98,6 +99,7 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
                    codec.encode(["join", "x" * 16, {"version": "evil"}]),
                    codec.encode(["died", 99, 1, 0]), codec.encode(["no-such-kind"]),
                    [b"\x92\xd4\x63\x00\x01"],  # unknown extension type
+                   codec.encode([np.array([1, 2]), 0]),  # a head that no == comparison can judge
                    [b"x" * 100, b"y"]]  # a frame that claims nothing
             for msg in bad:
                 push.send_multipart(msg)

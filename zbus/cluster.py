@@ -237,6 +237,7 @@ class RemoteReceiver:
 
 PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
 CALLERS_QUIET_S = 0.1  # the I/O thread reads the PULL socket once callers left it this long
+MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more are dropped
 
 
 class Leader:
@@ -244,10 +245,11 @@ class Leader:
     heartbeats, and routes remote replies to per-rank receivers.
 
     The PULL socket is read under ``pull_lock`` by one thread at a time: by a
-    caller waiting for replies (:meth:`pump`), else by the I/O thread. A caller
-    files replies and heartbeats itself and leaves every other message to the
-    I/O thread (so failures and admissions are handled in one place). The XPUB
-    socket is shared under ``xpub_lock``."""
+    caller waiting for replies (:meth:`pump`), else by the I/O thread. The reader
+    files replies and heartbeats at once and leaves every other message to the
+    I/O thread, which handles it with the socket released (so failures and
+    admissions are handled in one place, and never keep a caller off the
+    socket). The XPUB socket is shared under ``xpub_lock``."""
 
     def __init__(self, settings: ClusterSettings, broadcaster_factory: Callable[..., Broadcaster],
                  on_failure: Callable[[Exception], None], curve_dir: str | None = None,
@@ -506,14 +508,14 @@ class Leader:
                     wait_ms = min(wait_ms, 50)
                     self._probe()
                 self._wake.clear()
-                while self._control:  # what a caller read and left to us
+                for _ in range(min(len(self._control), 256)):  # bounded, as the reading is
                     self._dispatch_safely(self._control.popleft())
                 wait_ms = min(wait_ms, 50)
                 if time.monotonic() - self._caller_seen < CALLERS_QUIET_S:
                     self._wake.wait(wait_ms / 1000)  # callers read the socket
                 elif self.pull_lock.acquire(timeout=wait_ms / 1000):
                     try:
-                        self._read_pull(wait_ms, caller=False)
+                        self._read_pull(wait_ms)
                     finally:
                         self.pull_lock.release()
                     with self.cond:
@@ -530,28 +532,35 @@ class Leader:
             return False
         try:
             if not self._pull_closed:
-                self._read_pull(int(timeout * 1000), caller=True)
+                self._read_pull(int(timeout * 1000))
         except zmq.ZMQError:
             pass  # the socket is closing: the receivers are aborted with it
         finally:
             self.pull_lock.release()
         return True
 
-    def _read_pull(self, timeout_ms: int, caller: bool) -> None:
+    def _read_pull(self, timeout_ms: int) -> None:
         """Take what the PULL socket has (waiting up to ``timeout_ms`` for the first
         message), at most 256 messages, so the I/O thread's timers go on under a
-        flood. A caller files replies and heartbeats; the rest goes to the I/O thread."""
+        flood. Replies and heartbeats are filed here; the rest is left to the I/O
+        thread, which handles it with the socket released (a handler may wait
+        for the XPUB socket, or run failure callbacks)."""
         if not self.pull.poll(timeout_ms, zmq.POLLIN):
             return
         for _ in range(256):
             if not self.pull.poll(0, zmq.POLLIN):
                 break
             msg = self._recv_control()
-            if caller and msg is not None and type(msg[0]) is not int and msg[0] != "hb":
+            if msg is None:
+                continue
+            kind = msg[0]
+            if type(kind) is int or (type(kind) is str and kind == "hb"):
+                self._dispatch_safely(msg)
+            elif len(self._control) >= MAX_CONTROL_BACKLOG:
+                self._drop("a control message: too many are waiting")
+            else:
                 self._control.append(msg)
                 self._wake.set()
-            else:
-                self._dispatch_safely(msg)
 
     def _dispatch_safely(self, msg: Any) -> None:
         try:
