@@ -290,7 +290,7 @@ class _Decoder:
         if not _ints(strides) or len(strides) != len(shape):
             raise CodecError("malformed tensor strides")
         data = _writable(self.frame(index))
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = _numel(shape)
         if len(data) != numel * itemsize or not _dense(shape, strides):
             raise CodecError("tensor data does not match its shape and dtype")
