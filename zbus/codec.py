@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import threading
 import traceback
@@ -169,6 +170,7 @@ class _Encoder:
 
 
 _NP_KINDS = "biufc?"
+_NP_DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")  # a numeric dtype as ``dtype.str`` writes it
 _KIND_OF = {bytearray: 1, memoryview: 2}  # the wire kinds of _BYTES_KINDS
 
 
@@ -302,6 +304,8 @@ class _Decoder:
             raise CodecError("malformed ndarray extension")
         import numpy as np
 
+        if not _NP_DTYPE.fullmatch(body[0]):  # only what encode writes: no aliases, no parsing
+            raise CodecError(f"bad ndarray dtype {body[0][:20]!r}")
         try:
             dtype = np.dtype(body[0])
         except TypeError as e:
