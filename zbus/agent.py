@@ -19,7 +19,6 @@ import socket
 import time
 from typing import Any
 
-import msgpack
 import zmq
 
 from . import codec, protocol, shm
@@ -261,10 +260,10 @@ class NodeAgent:
         """Calls arrive numbered 1, 2, 3...: a gap means a reset connection lost
         some (ZeroMQ reconnects silently), so this node can no longer be trusted."""
         try:
-            head = msgpack.unpackb(envelope, raw=False)
-        except Exception:  # noqa: BLE001 - not a call envelope; the workers judge it
+            head = protocol.read_envelope(envelope)
+        except CodecError:  # not a call envelope: the workers judge it
             return
-        if type(head) is not list or len(head) != 5 or head[0] != protocol.CALL or type(head[1]) is not int:
+        if head[0] != protocol.CALL:
             return
         if self._last_seq is not None and head[1] != self._last_seq + 1:
             self._send(["gap", self.node_rank, self._last_seq + 1, head[1]], timeout=1.0)

@@ -263,30 +263,31 @@ def bench_compare(seconds: float) -> list[Row]:
     from .baselines import VllmBaseline, vllm_available
     from .executor import Executor
 
-    baselines: list[tuple[str, Callable[[], Any], float]] = [
-        ("pyzmq ipc", lambda: ZmqBaseline(2), 0.0),
-        ("pyzmq TCP", lambda: ZmqBaseline(2, "127.0.0.1"), 0.0),
-        ("multiprocessing pipes", lambda: PipeBaseline(2), 0.0)]
+    # (name, how to start it, rest after each of its blocks, whether it takes the tensor)
+    baselines: list[tuple[str, Callable[[], Any], float, bool]] = [
+        ("pyzmq ipc", lambda: ZmqBaseline(2), 0.0, False),
+        ("pyzmq TCP", lambda: ZmqBaseline(2, "127.0.0.1"), 0.0, False),
+        ("multiprocessing pipes", lambda: PipeBaseline(2), 0.0, False)]
     why = vllm_available()
     if why:
         print(f"compare: {why}; docs/benchmarks.md says how to install it", file=sys.stderr)
     else:
-        baselines.append(("vLLM MessageQueue", lambda: VllmBaseline(2), VLLM_SPIN_S))
+        baselines.append(("vLLM MessageQueue", lambda: VllmBaseline(2), VLLM_SPIN_S, True))
     rows = []
     with Executor(BenchWorker, nproc_per_node=2) as ex:
         zbus_cpu = cpu_seconds([p.pid for p in ex._workers.procs])
-        for name, make, gap in baselines:
+        for name, make, gap, takes_tensor in baselines:
             base = make()
             try:
                 for size in (0, KiB, MiB, 16 * MiB, 64 * MiB):
-                    rows.append(_compare_one(ex, base, name, size, seconds, gap, zbus_cpu))
+                    rows.append(_compare_one(ex, base, name, size, seconds, gap, takes_tensor, zbus_cpu))
             finally:
                 base.close()
     return rows
 
 
 def _compare_one(ex: Any, base: Any, name: str, size: int, seconds: float, gap: float,
-                 zbus_cpu: Callable[[], float]) -> Row:
+                 takes_tensor: bool, zbus_cpu: Callable[[], float]) -> Row:
     import torch
 
     tensor = torch.zeros(size // 4) if size else None
@@ -294,11 +295,8 @@ def _compare_one(ex: Any, base: Any, name: str, size: int, seconds: float, gap: 
         mine = lambda: ex.collective_rpc("size", args=(tensor,), unique_reply_rank=0)  # noqa: E731
     else:
         mine = lambda: ex.collective_rpc("noop", unique_reply_rank=0)  # noqa: E731
-    if name.startswith("vLLM"):
-        theirs = lambda: base.call(tensor)  # noqa: E731
-    else:
-        raw = bytes(size) if size else b"noop"
-        theirs = lambda: base.call(raw)  # noqa: E731
+    arg = tensor if takes_tensor else (bytes(size) if size else b"noop")
+    theirs = lambda: base.call(arg)  # noqa: E731
     big = size >= 16 * MiB
     block = (10 if big else 200) if gap else (2 if big else 20)
     cpu = None if size else (zbus_cpu, cpu_seconds([p.pid for p in base.procs]))

@@ -279,7 +279,7 @@ class Leader:
         self.xpub_lock = threading.RLock()  # the I/O thread sends welcomes while reading it
         self.pull_lock = threading.Lock()
         self._caller_seen = 0.0  # when a caller last wanted the PULL socket
-        self._control: collections.deque = collections.deque()  # read by a caller, for the I/O thread
+        self._control: collections.deque = collections.deque()  # read from PULL, for the I/O thread
         self._wake = threading.Event()
         self._pull_closed = False
         self.nodes: dict[int, NodeInfo] = {}
@@ -502,15 +502,13 @@ class Leader:
                     next_hb = time.monotonic() + s.heartbeat_s
                     self._check_liveness(time.monotonic())
                     touch_health()
-                wait_ms = min(200, int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
+                wait_ms = min(50, int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
                 self._read_subscriptions()
                 if not self.formed:
-                    wait_ms = min(wait_ms, 50)
                     self._probe()
                 self._wake.clear()
                 for _ in range(min(len(self._control), 256)):  # bounded, as the reading is
                     self._dispatch_safely(self._control.popleft())
-                wait_ms = min(wait_ms, 50)
                 if time.monotonic() - self._caller_seen < CALLERS_QUIET_S:
                     self._wake.wait(wait_ms / 1000)  # callers read the socket
                 elif self.pull_lock.acquire(timeout=wait_ms / 1000):
@@ -690,7 +688,7 @@ class Leader:
         self._stop.set()
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5)  # it wakes every 200 ms at most
+            self._thread.join(5)  # it wakes every 50 ms at most
         try:
             if not self.formed:  # followers still joining would otherwise wait out their timeout
                 for topic in list(self._subscribed)[:64]:

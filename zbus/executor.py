@@ -612,8 +612,8 @@ class MultiprocExecutor(Executor):
         try:
             payload = codec.encode((tuple(args), kwargs or {})) if args or kwargs else [protocol.NO_ARGS]
             self._seq += 1
-            frames = [*codec.encode([protocol.CALL, self._seq, method,
-                                     unique_reply_rank if unique else -1, len(payload)]), *payload]
+            frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,
+                                             len(payload)), *payload]
             fut = RpcFuture(self, self._seq, ranks, unique)
             self._pending.append(fut)
             self.metrics.sent(sum(memoryview(f).nbytes for f in frames))

@@ -18,9 +18,32 @@ exception the method raised (RAISED, as :class:`zbus.codec.ExceptionInfo`), or w
 the call was refused before it ran (REFUSED).
 """
 
+from typing import Any
+
+import msgpack
+
 from . import codec
+from .errors import CodecError
 
 CALL, STOP = 1, 2
 NO_ARGS = codec.encode(((), {}))[0]  # the arguments of most calls, encoded once
 READY = -1
 OK, RAISED, REFUSED = 0, 1, 2
+
+
+def call_envelope(seq: int, method: str, reply_rank: int, n_payload: int) -> bytes:
+    """The first frame of a call."""
+    return codec.encode([CALL, seq, method, reply_rank, n_payload])[0]
+
+
+def read_envelope(frame: Any) -> list:
+    """``[STOP]`` or ``[CALL, seq, method, reply_rank, n_payload]`` from a message's
+    first frame; :class:`CodecError` for anything else."""
+    try:
+        envelope = msgpack.unpackb(frame, raw=False, use_list=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types on bad input
+        raise CodecError(f"cannot decode the envelope: {type(e).__name__}: {e}") from None
+    if envelope != [STOP] and not (type(envelope) is list and len(envelope) == 5 and envelope[0] == CALL
+                                   and type(envelope[1]) is type(envelope[3]) is type(envelope[4]) is int):
+        raise CodecError(f"not a call envelope: {str(envelope)[:100]}")
+    return envelope

@@ -20,8 +20,6 @@ import sys
 import threading
 from typing import Any, Callable
 
-import msgpack
-
 from . import protocol, shm
 from .errors import CodecError, RingClosed, ZbusError
 from .logs import setup_logging
@@ -165,7 +163,7 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     buffer is free for the next one as soon as this returns.)"""
     from . import codec
 
-    envelope = _envelope(frames[0])
+    envelope = protocol.read_envelope(frames[0])
     if envelope[0] == protocol.STOP:
         return False
     _, seq, method, reply_rank, n_payload = envelope
@@ -181,17 +179,6 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     if reply_rank < 0 or reply_rank == worker.rank:
         replies.send(seq, result, status)
     return True
-
-
-def _envelope(frame: Any) -> list:
-    """A call's envelope: plain msgpack, decoded without extension hooks."""
-    try:
-        envelope = msgpack.unpackb(frame, raw=False, use_list=True)
-    except Exception as e:  # noqa: BLE001 - msgpack raises several types on bad input
-        raise CodecError(f"cannot decode the envelope: {type(e).__name__}: {e}") from None
-    if type(envelope) is not list or not envelope or (envelope[0] == protocol.CALL and len(envelope) != 5):
-        raise CodecError(f"not a call envelope: {str(envelope)[:100]}")
-    return envelope
 
 
 def _watch_death_pipe(fd: int, segments: list[str]) -> None:
