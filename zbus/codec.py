@@ -30,7 +30,7 @@ import msgpack
 from .errors import CodecError
 
 # Extension type codes: part of the wire format.
-_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION = 1, 2, 3, 4, 5, 6
+_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT = 1, 2, 3, 4, 5, 6, 7
 _BYTES_KINDS = {0: bytes, 1: bytearray, 2: memoryview}
 OOB_THRESHOLD = 16 * 1024  # byte strings at least this long travel as their own frame
 MAX_MESSAGE = int(os.environ.get("ZBUS_MAX_MESSAGE", 4 * 2**30))
@@ -38,6 +38,7 @@ _MAX_FRAMES = 1 << 20
 MAX_DEPTH = 32  # nesting of extension types (tuples, dataclasses, ...) in one message
 
 _registry: dict[str, type] = {}
+_families: dict[str, TypeFamily] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,33 @@ def register(cls: type, name: str | None = None) -> type:
     _registry[name or f"{cls.__module__}.{cls.__qualname__}"] = cls
     cls.__zbus_name__ = name or f"{cls.__module__}.{cls.__qualname__}"
     return cls
+
+
+class TypeFamily:
+    """A set of a library's own types that travel by name, for types too many or
+    too varied to :func:`register` one by one (an engine's configs and step data).
+
+    ``reduce(obj)`` returns ``(name, state)`` for an object of the family, else
+    None; ``state`` is encoded like any other value. ``build(name, state)`` makes
+    the object again on the receiving end and raises :class:`CodecError` for a
+    name it does not allow: it must never import or run what the sender names
+    beyond the family's own, fixed rules. Names travel as ``"family:name"``."""
+
+    name: str = ""
+
+    def reduce(self, obj: Any) -> tuple[str, Any] | None:
+        raise NotImplementedError
+
+    def build(self, name: str, state: Any) -> Any:
+        raise NotImplementedError
+
+
+def register_family(family: TypeFamily) -> TypeFamily:
+    """Allow ``family``'s types on the wire, in this process (both ends must)."""
+    if not family.name or ":" in family.name:
+        raise ValueError("a type family needs a name without ':'")
+    _families[family.name] = family
+    return family
 
 
 # --- encoding ----------------------------------------------------------------------
@@ -118,6 +146,10 @@ class _Encoder:
         if name is not None and _registry.get(name) is t:
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
             return msgpack.ExtType(_DATACLASS, self.pack([name, fields]))
+        for family in _families.values():
+            reduced = family.reduce(obj)
+            if reduced is not None:
+                return msgpack.ExtType(_OBJECT, self.pack([f"{family.name}:{reduced[0]}", reduced[1]]))
         if isinstance(obj, BaseException):
             info = ExceptionInfo.from_exception(obj)
             return msgpack.ExtType(_EXCEPTION, self.pack([info.type_name, info.message, info.traceback]))
@@ -260,6 +292,8 @@ class _Decoder:
             return self._ndarray(body)
         if code == _DATACLASS:
             return self._dataclass(body)
+        if code == _OBJECT:
+            return self._object(body)
         if code == _EXCEPTION and _shape(body, str, str, str):
             return ExceptionInfo(*body)
         raise CodecError(f"unknown or malformed extension type {code}")
@@ -333,6 +367,20 @@ class _Decoder:
             return cls(**body[1])
         except TypeError as e:
             raise CodecError(f"cannot build {body[0]}: {e}") from e
+
+    def _object(self, body: Any) -> Any:
+        if not (type(body) is list and len(body) == 2 and type(body[0]) is str):
+            raise CodecError("malformed object extension")
+        family_name, _, name = body[0].partition(":")
+        family = _families.get(family_name)
+        if family is None:
+            raise CodecError(f"type {body[0][:200]!r} of an unknown family (register_family on both ends)")
+        try:
+            return family.build(name, body[1])
+        except CodecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the family's constructor refused the state
+            raise CodecError(f"cannot build {body[0][:200]}: {type(e).__name__}: {e}") from e
 
 
 def decode(frames: Sequence[Any], max_bytes: int | None = None) -> Any:

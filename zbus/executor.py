@@ -51,11 +51,14 @@ class StartupError(ExecutorFailedError):
 
 
 class RpcFuture(concurrent.futures.Future):
-    """The result of a non-blocking ``collective_rpc``. Calls complete in issue
-    order: ``result()`` on a later future first completes the earlier ones.
-    ``result(timeout)`` raises :class:`TimeoutError` and leaves the call pending."""
+    """The result of a non-blocking ``collective_rpc``. It completes by itself, so
+    ``done()``, ``add_done_callback``, :func:`concurrent.futures.wait` and
+    :func:`asyncio.wrap_future` work without anyone calling ``result()``. Calls
+    complete in issue order. ``result(timeout)`` raises :class:`TimeoutError` and
+    leaves the call pending."""
 
-    def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool):
+    def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool,
+                 background: bool = False):
         super().__init__()
         started = time.perf_counter()
         self.add_done_callback(lambda f: executor.metrics.rpc_done(
@@ -64,6 +67,7 @@ class RpcFuture(concurrent.futures.Future):
         self.seq = seq
         self.reply_ranks = list(reply_ranks)
         self.unique = unique
+        self.background = background  # completed by the executor's completer thread
         self.replies: dict[int, tuple[int, Any]] = {}
 
     def result(self, timeout: float | None = None) -> Any:
@@ -90,6 +94,26 @@ class RpcFuture(concurrent.futures.Future):
                 self.set_exception(RemoteError(rank, value.type_name, value.message, value.traceback))
                 return
         self.set_result(values[0] if self.unique else values)
+
+
+def method_name(method: str | Callable) -> str:
+    """What a call names on the wire: a method name, or ``"pkg.mod:func"`` for a
+    module-level function that workers import and call with the worker first.
+    Code itself never travels."""
+    if isinstance(method, str):
+        if not method:
+            raise TypeError("method must be a non-empty string")
+        return method
+    if not callable(method):
+        raise TypeError(f"method must be a name or an importable function, got {method!r}")
+    module, qualname = getattr(method, "__module__", None), getattr(method, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname or not qualname:
+        raise TypeError(
+            f"cannot send {method!r}: zbus never sends code, and a lambda, closure or function "
+            "of the driver script cannot be imported by a worker. Define it at module level in "
+            "an importable module (workers call it as func(worker, *args)), or call a worker "
+            "method by name")
+    return f"{module}:{qualname}"
 
 
 def _resolve_backend(backend: str) -> type[Executor]:
@@ -161,11 +185,13 @@ class Executor:
 
     # --- public API ----------------------------------------------------------------
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None) -> Any:
         """Run ``method`` on every rank. Returns the replies in rank order, or the
-        reply of ``unique_reply_rank`` alone; with ``non_block`` a Future of that."""
+        reply of ``unique_reply_rank`` alone; with ``non_block`` a Future of that,
+        which completes by itself. ``method`` is a worker method's name or a
+        module-level function (see :func:`method_name`)."""
         raise NotImplementedError
 
     def status(self) -> dict[str, Any]:
@@ -228,15 +254,16 @@ class Executor:
     def _on_failure(self, error: ExecutorFailedError) -> None:
         pass
 
-    def _check_call(self, method: str, unique_reply_rank: int | None) -> None:
+    def _check_call(self, method: str | Callable, unique_reply_rank: int | None) -> str:
+        """The method's wire name, once the executor may take the call."""
         if self._closed:
             raise ZbusError("executor is shut down")
         if self._failure is not None:
             raise self._failure
-        if not isinstance(method, str) or not method:
-            raise TypeError("method must be a non-empty string")
+        method = method_name(method)
         if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
             raise ValueError(f"unique_reply_rank {unique_reply_rank} outside 0..{self.world_size - 1}")
+        return method
 
     def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
         raise NotImplementedError
@@ -278,7 +305,7 @@ class InprocExecutor(Executor):
                        unique_reply_rank: int | None = None) -> Any:
         from .worker import run_call
 
-        self._check_call(method, unique_reply_rank)
+        method = self._check_call(method, unique_reply_rank)
         self._seq += 1
         fut = RpcFuture(self, self._seq, [0], unique_reply_rank is not None)
         self._futures[self._seq] = fut
@@ -440,6 +467,69 @@ class LocalWorkers:
             self._death_w = -1
 
 
+class Completer:
+    """Completes non-blocking calls in the background, so that their futures finish
+    with nobody calling ``result()``. It reads replies only while such a call is
+    undone and no caller holds the reply lock (a caller blocked in ``result()``
+    reads them itself, the faster path), in slices so that it never holds the lock
+    for long."""
+
+    SLICE_S = 0.05
+
+    def __init__(self, executor: MultiprocExecutor):
+        self._executor = executor
+        self._cond = threading.Condition()
+        self._undone = 0
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, future: RpcFuture) -> None:
+        """Complete ``future`` in the background (it was sent)."""
+        with self._cond:
+            if self._stopped:
+                return
+            self._undone += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="zbus-completer", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        future.add_done_callback(self._done)
+
+    def _done(self, _future: RpcFuture) -> None:
+        with self._cond:
+            self._undone -= 1
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def _busy(self) -> bool:
+        with self._cond:
+            while not self._stopped and self._undone <= 0:
+                self._cond.wait()
+            return not self._stopped
+
+    def _run(self) -> None:
+        ex = self._executor
+        while self._busy():
+            if not ex._recv_lock.acquire(timeout=self.SLICE_S):
+                continue
+            try:
+                while self._undone > 0 and not self._stopped and ex._pending:
+                    ex._complete_head(time.monotonic() + self.SLICE_S)
+            except TimeoutError:
+                pass
+            except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
+                if not isinstance(e, ExecutorFailedError):
+                    e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
+                ex._fail(e)
+            finally:
+                ex._recv_lock.release()
+
+
 class MultiprocExecutor(Executor):
     """Worker processes fed by a shared-memory broadcast ring, answering on one
     shared-memory response queue each. With ``nnodes > 1`` this process is also
@@ -473,6 +563,7 @@ class MultiprocExecutor(Executor):
         self._pending: collections.deque[RpcFuture] = collections.deque()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        self._completer = Completer(self)
         self._failed = threading.Event()
         self._bcast: Broadcaster | None = None
         self._leader: Leader | None = None
@@ -498,6 +589,7 @@ class MultiprocExecutor(Executor):
             self._bcast = Broadcaster(n)
             torch_port = reserve_port(resolve_ip(self.master_addr))
             ifname = None
+        self.torch_port = torch_port  # workers' MASTER_PORT
         for _ in range(n):  # one at a time: shutdown() removes those made before a failure
             self._resp_handles.append(ring.create(1))
         for h in self._resp_handles:  # one at a time, for the same reason
@@ -603,7 +695,7 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None) -> Any:
-        self._check_call(method, unique_reply_rank)
+        method = self._check_call(method, unique_reply_rank)
         deadline = deadline_of(timeout)
         unique = unique_reply_rank is not None
         ranks = [unique_reply_rank] if unique else range(self.world_size)
@@ -614,7 +706,7 @@ class MultiprocExecutor(Executor):
             self._seq += 1
             frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,
                                              len(payload)), *payload]
-            fut = RpcFuture(self, self._seq, ranks, unique)
+            fut = RpcFuture(self, self._seq, ranks, unique, background=non_block)
             self._pending.append(fut)
             self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
             try:
@@ -628,7 +720,10 @@ class MultiprocExecutor(Executor):
                 raise self._failure or ZbusError("executor is shut down") from None
         finally:
             self._send_lock.release()
-        return fut if non_block else fut.result(remaining(deadline, method))
+        if non_block:
+            self._completer.add(fut)
+            return fut
+        return fut.result(remaining(deadline, method))
 
     def _publish(self, frames: list, deadline: float | None) -> None:
         """One call to every rank: the local ring, and one copy per follower node."""
@@ -701,6 +796,13 @@ class MultiprocExecutor(Executor):
             if self._closed:
                 return
             self._closed = True
+        self._completer.stop()
+        # Names first: every process mapped them at start, and a driver killed while
+        # it waits for its workers below must not leave a name behind.
+        if self._bcast is not None and self._bcast.handle is not None:
+            shm.unlink(self._bcast.handle.name)
+        for h in self._resp_handles:
+            shm.unlink(h.name)
         workers = self._workers
         if workers is not None:
             workers.stopping = True

@@ -42,6 +42,11 @@ class Worker:
     local_world_size: int = 1
     node_rank: int = 0
 
+    def rpc_self(self) -> Any:
+        """What a function called by import path (``"pkg.mod:func"``) gets as its
+        first argument: this worker, or the object it wraps."""
+        return self
+
 
 def import_object(path: str) -> Any:
     """Import ``"pkg.mod:Name"`` (dots after the colon walk attributes)."""
@@ -77,7 +82,8 @@ def resolve_method(worker: Any, name: Any, allow_import: bool) -> Callable[..., 
         if any(part.startswith("_") for part in name.replace(":", ".").split(".")):
             raise ZbusError(f"method {name!r} refused: private names cannot be called")
         func = import_object(name)
-        return lambda *a, **k: func(worker, *a, **k)
+        target = worker.rpc_self() if isinstance(worker, Worker) else worker
+        return lambda *a, **k: func(target, *a, **k)
     if name.startswith("_"):
         raise ZbusError(f"method {name!r} refused: private names cannot be called")
     method = getattr(worker, name, None)

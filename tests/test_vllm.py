@@ -1,0 +1,164 @@
+"""vLLM on zbus, for real: vLLM's engine with ``zbus.vllm.ZbusExecutor`` on a tiny
+model the tests write (seeded random weights), beside vLLM's own ``mp`` executor.
+
+These need vLLM's CPU build; ``make test`` runs them in ``.venv-vllm``. Elsewhere
+they are skipped, with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import TEST_PATH, end_process, zbus_segments
+
+from zbus.netns import NetnsCluster, unavailable
+
+try:
+    import vllm  # noqa: F401
+    NO_VLLM = None
+except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip
+    NO_VLLM = f"vLLM is not importable here ({type(e).__name__}); make test runs these in .venv-vllm"
+
+pytestmark = [pytest.mark.skipif(NO_VLLM is not None, reason=str(NO_VLLM)), pytest.mark.timeout(300)]
+
+DRIVER = os.path.join(os.path.dirname(__file__), "vllm_driver.py")
+ZBUS = "zbus.vllm.ZbusExecutor"
+# vLLM's CPU workers on this 2-core machine: one core each, 1 GiB of KV cache.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "PYTHONPATH": TEST_PATH}
+
+
+class Engine:
+    """The driver in a process of its own; its JSON events, read with a deadline."""
+
+    def __init__(self, backend: str, *args: str, node=None, env: dict | None = None, log=None):
+        full_env = dict(os.environ, **VLLM_ENV, **(env or {}))
+        argv = [sys.executable, DRIVER, backend, *args]
+        self.log = log
+        if node is None:
+            self.proc = psutil.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=log, text=True)
+        else:
+            self.proc = node.start(argv, env=full_env, stdout=subprocess.PIPE, stderr=log, text=True)
+
+    def event(self, name: str, timeout: float = 180) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"the engine ended ({self.proc.wait(10)}) before {name!r}: "
+                                     f"{self._tail()}")
+            if line.startswith("{"):
+                event = json.loads(line)
+                if event["event"] in (name, "error"):
+                    return event
+        raise AssertionError(f"no {name!r} within {timeout} s")
+
+    def _tail(self) -> str:
+        if self.log is None:
+            return ""
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-3000:]
+
+    def descendants(self) -> list[psutil.Process]:
+        return self.proc.children(recursive=True)
+
+    def close(self) -> None:
+        end_process(self.proc, 30)
+
+
+def generate(backend: str, *args: str, tmp_path, **kwargs) -> dict:
+    with open(tmp_path / f"{backend.replace('.', '_')}.log", "w") as log:
+        engine = Engine(backend, *args, log=log, **kwargs)
+        try:
+            engine.event("ready")
+            out = engine.event("tokens")
+            assert out["event"] == "tokens", out
+            assert engine.event("done")["event"] == "done"
+            assert engine.proc.wait(60) == 0
+            return out
+        finally:
+            engine.close()
+
+
+@pytest.fixture(scope="module")
+def mp_tokens(tmp_path_factory) -> list[list[int]]:
+    """The greedy tokens of vLLM's own executor, TP=2 on one node."""
+    return generate("mp", "--tp", "2", tmp_path=tmp_path_factory.mktemp("mp"))["tokens"]
+
+
+def test_tp2_on_one_node_gives_the_tokens_of_vllms_own_executor(mp_tokens, tmp_path):
+    """Sabotage: a scheduler output that reaches the workers changed (a field
+    dropped by the wire) gives other tokens or fails the engine."""
+    before = zbus_segments()
+    out = generate(ZBUS, "--tp", "2", tmp_path=tmp_path)
+    assert out["tokens"] == mp_tokens
+    assert len(mp_tokens) == 4 and all(len(t) == 16 for t in mp_tokens)
+    assert zbus_segments() - before == set()
+
+
+def test_worker_killed_during_generation_fails_the_engine_within_the_bound(tmp_path):
+    """A SIGKILLed worker reaches vLLM's engine as a failure, never a hang, and the
+    engine's shutdown leaves no process or segment. Sabotage: a failure callback
+    that never reaches vLLM makes the engine wait forever (the test times out)."""
+    before = zbus_segments()
+    with open(tmp_path / "engine.log", "w") as log:
+        engine = Engine(ZBUS, "--tp", "2", "--tokens", "200", "--hold", log=log)
+        try:
+            engine.event("ready")
+            assert engine.event("tokens")["event"] == "tokens"
+            workers = [p for p in engine.descendants() if "zbus.worker" in " ".join(p.cmdline())]
+            assert len(workers) == 2, [p.cmdline() for p in workers]
+            everyone = engine.descendants()
+            workers[1].send_signal(signal.SIGKILL)
+            killed_at = time.time()
+            failed = engine.event("done", timeout=60)
+            assert failed["event"] == "error", failed
+            elapsed = failed["at"] - killed_at
+            print(f"worker SIGKILL -> vLLM {failed['type']} after {elapsed:.2f} s")
+            assert elapsed < 10.0  # the liveness bound
+            assert engine.proc.wait(60) == 0
+        finally:
+            engine.close()
+    assert psutil.wait_procs(everyone, timeout=15)[1] == []
+    assert zbus_segments() - before == set()
+
+
+NETNS = unavailable()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(NETNS is not None, reason=f"no namespaces: {NETNS}")
+def test_tp2_across_two_hosts_gives_the_same_tokens_and_followers_exit(mp_tokens, tmp_path):
+    """TP=2 over two namespace hosts with one worker each: the leader is the
+    engine's process, the other host runs ``zbus follower``. Same greedy tokens;
+    at the engine's shutdown the follower exits and no host keeps a segment or a
+    process. Sabotage: one all-reduce group name on both hosts (vLLM's CPU
+    shared-memory all-reduce across hosts) hangs the engine's start."""
+    with NetnsCluster(2) as c:
+        leader, host = c.nodes
+        env = {"ZBUS_NNODES": "2", "ZBUS_MASTER_ADDR": leader.address, "ZBUS_LIVENESS_S": "10"}
+        with open(tmp_path / "follower.log", "w") as flog, open(tmp_path / "engine.log", "w") as log:
+            zbus_cli = os.path.join(os.path.dirname(sys.executable), "zbus")
+            follower = host.start([zbus_cli, "follower", "--master-addr",
+                                   leader.address, "--nproc-per-node", "1", "--allow-worker", "zbus.vllm"],
+                                  env=dict(os.environ, **VLLM_ENV), stdout=flog, stderr=flog)
+            engine = Engine(ZBUS, "--tp", "2", node=leader, env=env, log=log)
+            try:
+                engine.event("ready", timeout=240)
+                out = engine.event("tokens")
+                assert out["event"] == "tokens", out
+                assert out["tokens"] == mp_tokens
+                assert engine.event("done")["event"] == "done"
+                assert engine.proc.wait(60) == 0
+                assert follower.wait(30) == 0
+            finally:
+                engine.close()
+                end_process(follower, 5)
+        for node in c.nodes:
+            assert node.shm_segments() == [] and node.pids() == [], node.name

@@ -1,0 +1,78 @@
+"""A vLLM engine on a tiny model made here (seeded random weights, no download),
+for the vLLM tests and ``zbus bench vllm``. Prints one JSON line per event.
+
+    python vllm_driver.py BACKEND --tp N [--pp N] [--tokens N] [--prompts N] [--hold]
+
+``--hold`` keeps generating until the engine fails (a test kills a worker) and
+reports the error and when it came.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [9, 10, 11, 12, 13, 14], [700, 3]]
+
+
+def tiny_model(layers: int = 2) -> str:
+    path = tempfile.mkdtemp(prefix="zbus-vllm-model-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(TINY_LLAMA, num_hidden_layers=layers), f)
+    return path
+
+
+def say(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("backend")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--hold", action="store_true")
+    a = ap.parse_args()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    backend = a.backend
+    if "." in backend:  # a class: vLLM asks a class, not its name, whether it supports PP
+        module, _, name = backend.rpartition(".")
+        backend = getattr(__import__(module, fromlist=[name]), name)
+    model = tiny_model()
+    started = time.monotonic()
+    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, seed=0, enforce_eager=True,
+              tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp, max_model_len=256,
+              distributed_executor_backend=backend)
+    say(event="ready", start_s=round(time.monotonic() - started, 2))
+    params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:a.prompts]]
+    try:
+        while True:
+            t0 = time.monotonic()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            say(event="tokens", tokens=[list(o.outputs[0].token_ids) for o in outs],
+                gen_s=round(time.monotonic() - t0, 3))
+            if not a.hold:
+                break
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        say(event="error", type=type(e).__name__, error=str(e)[:500], at=time.time())
+    llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
+    say(event="done")
+
+
+if __name__ == "__main__":
+    main()

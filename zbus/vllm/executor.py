@@ -1,0 +1,149 @@
+"""The vLLM executor backend on zbus."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Any, Callable
+
+from vllm.v1.executor.abstract import Executor as VllmExecutor
+
+from .. import Executor
+from ..cluster import ClusterSettings
+from ..errors import ZbusError
+from .wire import load_wire_modules
+from .worker import remove_cpu_shm
+
+log = logging.getLogger(__name__)
+WORKER = "zbus.vllm.worker:VllmWorker"
+
+
+class ZbusExecutor(VllmExecutor):
+    """vLLM's executor interface over a :class:`zbus.Executor`: TP x PP workers,
+    spread over ``ZBUS_NNODES`` nodes (the engine's node first)."""
+
+    uses_ray = False
+    supports_pp = True
+
+    def _init_executor(self) -> None:
+        load_wire_modules()
+        pc = self.parallel_config
+        self.world_size = pc.world_size
+        nnodes = ClusterSettings.resolve().nnodes
+        if self.world_size % nnodes:
+            raise ValueError(f"world size {self.world_size} (TP x PP) does not divide over "
+                             f"ZBUS_NNODES={nnodes} nodes")
+        # the first TP worker of the last PP stage, as vLLM's own executor
+        self.output_rank = self.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
+        self._failure_callback: Callable[[], None] | None = None
+        self._failed = False
+        self._zbus = Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
+                              output_rank=self.output_rank)
+        try:
+            self._zbus.register_failure_callback(self._on_failure)
+            self.collective_rpc("init_worker", args=(self.vllm_config,))
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self._zbus.shutdown()
+            raise
+
+    # --- calls ---------------------------------------------------------------------
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None, non_block: bool = False,
+                       unique_reply_rank: int | None = None, kv_output_aggregator: Any = None,
+                       ec_output_aggregator: Any = None) -> Any:
+        """vLLM's ``collective_rpc``, in vLLM's argument order. A function travels by
+        its import path (never as code); outputs of several ranks are aggregated
+        when vLLM passes its KV or EC aggregators."""
+        aggregators = [a for a in (kv_output_aggregator, ec_output_aggregator) if a]
+        reply_rank = None if aggregators else unique_reply_rank
+        out = self._zbus.collective_rpc(method, args=tuple(args), kwargs=kwargs, timeout=timeout,
+                                        non_block=non_block, unique_reply_rank=reply_rank)
+        if not aggregators:
+            return out
+        rank = unique_reply_rank or 0
+
+        def aggregate(outputs: list) -> Any:
+            result = outputs[rank]
+            for a in aggregators:
+                result = a.aggregate(outputs, output_rank=rank)
+            return result
+
+        return _mapped(out, aggregate) if non_block else aggregate(out)
+
+    def _output_rpc(self, method: str, arg: Any, non_block: bool = False) -> Any:
+        import vllm.envs as envs
+
+        return self.collective_rpc(method, args=(arg,), unique_reply_rank=self.output_rank,
+                                   non_block=non_block, timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
+                                   kv_output_aggregator=self.kv_output_aggregator,
+                                   ec_output_aggregator=self.ec_output_aggregator)
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        return self._output_rpc("execute_model", scheduler_output, non_block)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        return self._output_rpc("sample_tokens", grammar_output, non_block)
+
+    def execute_dummy_batch(self) -> None:
+        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank)
+
+    def take_draft_token_ids(self) -> Any:
+        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=self.output_rank)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.vllm_config.max_concurrent_batches
+
+    # --- health and failure --------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raise if the cluster failed; else ask every worker (10 s at most)."""
+        self._zbus.check_health()
+        self.collective_rpc("check_health", timeout=10)
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        if self._failed:
+            callback()
+        else:
+            self._failure_callback = callback
+
+    def _on_failure(self) -> None:
+        self._failed = True
+        log.error("zbus executor failed: %s", self._zbus.status().get("failed"))
+        if self._failure_callback is not None:
+            self._failure_callback()
+
+    def shutdown(self) -> None:
+        """Ask the workers to shut vLLM down, then stop every process and free every
+        segment, on every node."""
+        zbus = getattr(self, "_zbus", None)
+        if zbus is None:
+            return
+        if not self._failed:
+            try:
+                zbus.collective_rpc("shutdown", timeout=10)
+            except (ZbusError, TimeoutError) as e:
+                log.warning("workers' shutdown: %s", e)
+        zbus.shutdown()
+        remove_cpu_shm(zbus.torch_port, 0)
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True  # zbus futures complete by themselves
+
+
+def _mapped(future: concurrent.futures.Future, func: Callable[[Any], Any]) -> concurrent.futures.Future:
+    """A future of ``func(future's result)``, completed when ``future`` is."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        try:
+            out.set_result(func(f.result()))
+        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out

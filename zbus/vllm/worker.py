@@ -1,0 +1,128 @@
+"""The worker side of vLLM on zbus: vLLM's ``WorkerWrapperBase`` inside a zbus
+worker process, set up as vLLM's own multiprocess executor sets it up."""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import os
+from typing import Any
+
+from ..cluster import resolve_ip, route_to
+from ..errors import ZbusError
+from ..worker import Worker
+from .wire import load_wire_modules
+
+load_wire_modules()
+
+# Comma-separated names this node allows a leader's configuration to name as code
+# (a worker class or extension, logits processors, a KV connector module), and
+# "trust_remote_code" to let it run a model repository's code.
+ALLOW_ENV = "ZBUS_VLLM_ALLOW"
+
+
+class VllmWorker(Worker):
+    """One vLLM worker. Every vLLM worker method is callable by name."""
+
+    def __init__(self) -> None:
+        from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+        self.wrapper = WorkerWrapperBase(rpc_rank=self.rank, global_rank=self.rank)
+        self._outputs: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def rpc_self(self) -> Any:
+        return self.wrapper  # what vLLM's own executor hands a function it calls
+
+    def init_worker(self, vllm_config: Any) -> None:
+        """vLLM's ``init_worker``, with this process's place in the cluster."""
+        if self.node_rank > 0:  # the configuration came over the network
+            check_remote_config(vllm_config, allowed())
+        if "VLLM_HOST_IP" not in os.environ:  # vLLM's own guess needs a route to the internet
+            os.environ["VLLM_HOST_IP"] = route_to(resolve_ip(os.environ["MASTER_ADDR"]))[0]
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        kwargs: list[dict] = [{} for _ in range(self.world_size)]
+        kwargs[self.rank] = {
+            "vllm_config": vllm_config, "local_rank": self.local_rank, "rank": self.rank,
+            "distributed_init_method": distributed_init_method(self.node_rank),
+            "is_driver_worker": self.rank % tp == 0,
+        }
+        self.wrapper.init_worker(kwargs)
+        if self.local_rank == 0:  # at a clean exit, as at a stop by signal
+            atexit.register(remove_cpu_shm, os.environ["MASTER_PORT"], self.node_rank)
+        if vllm_config.scheduler_config.async_scheduling:
+            self._outputs = concurrent.futures.ThreadPoolExecutor(1, "zbus-vllm-output")
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return self._output(self.wrapper.execute_model(scheduler_output))
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        return self._output(self.wrapper.sample_tokens(grammar_output))
+
+    def _output(self, output: Any) -> Any:
+        """An asynchronous output is replied to once it is ready, without holding
+        up the next call (zbus replies in call order)."""
+        from vllm.v1.outputs import AsyncModelRunnerOutput
+
+        if isinstance(output, AsyncModelRunnerOutput):
+            pool = self._outputs or concurrent.futures.ThreadPoolExecutor(1, "zbus-vllm-output")
+            self._outputs = pool
+            return pool.submit(output.get_output)
+        return output
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "wrapper":
+            raise AttributeError(name)
+        return getattr(self.wrapper, name)
+
+
+def remove_cpu_shm(port: int | str, node_rank: int) -> None:
+    """Remove the segments of vLLM's CPU all-reduce on this node (named after the
+    rendezvous, see :func:`distributed_init_method`): a worker killed mid-step
+    cannot remove its own."""
+    prefix = f"{port}?zbus_node={node_rank}-"
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+
+
+def distributed_init_method(node_rank: int) -> str:
+    """torch.distributed's rendezvous at the address zbus gives every worker.
+    vLLM's CPU worker names its shared-memory all-reduce group after the text
+    behind the last ':', so each node gets its own: a group that spans nodes then
+    sees different names and uses torch.distributed instead."""
+    host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{port}?zbus_node={node_rank}"
+
+
+def allowed() -> set[str]:
+    return {p.strip() for p in os.environ.get(ALLOW_ENV, "").split(",") if p.strip()}
+
+
+def check_remote_config(config: Any, allow: set[str]) -> None:
+    """Refuse a configuration from the leader that names code this node's
+    operator did not allow (see docs/security.md)."""
+    def named(what: str, value: Any, default_ok: bool = False) -> None:
+        if not value or (default_ok and str(value).startswith("vllm.")):
+            return
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            name = item if isinstance(item, str) else f"{type(item).__module__}.{type(item).__qualname__}"
+            if name not in allow and not any(name.startswith(p + ".") for p in allow):
+                raise ZbusError(f"the leader's configuration names {what} {name!r}, which this node "
+                                f"does not allow (set {ALLOW_ENV} on this node to allow it)")
+
+    pc, mc = config.parallel_config, config.model_config
+    named("the worker class", pc.worker_cls, default_ok=True)
+    named("the worker extension", pc.worker_extension_cls)
+    named("logits processors", getattr(mc, "logits_processors", None))
+    kv = getattr(config, "kv_transfer_config", None)
+    named("a KV connector module", getattr(kv, "kv_connector_module_path", None))
+    if mc.trust_remote_code and "trust_remote_code" not in allow:
+        raise ZbusError(f"the leader's configuration asks to trust remote code of {mc.model!r}; "
+                        f"this node refuses (set {ALLOW_ENV}=trust_remote_code on this node to allow it)")
