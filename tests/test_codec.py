@@ -639,6 +639,82 @@ def test_reasonable_nesting_still_decodes():
     assert decode(encode(obj)) == obj
 
 
+# --- amplification: every decode stays near the size of its input -----------------
+
+
+@pytest.mark.parametrize("second", [ext(BYTES, [0, 0]), ext(BYTES, [1, 0]), ext(BYTES, [2, 0]),
+                                    ext(TENSOR, ["uint8", [64], [1], 0]), ext(NDARRAY, ["|u1", [64], 0])],
+                         ids=["bytes", "bytearray", "memoryview", "tensor", "ndarray"])
+def test_a_buffer_frame_may_be_used_once(second):
+    """A header that names one frame many times would copy it many times (2000
+    references to 1 MiB: 2 GiB). Fails if a frame index may be used twice."""
+    frames = [header([ext(BYTES, [1, 0]), second]), bytes(64)]
+    with pytest.raises(zbus.CodecError, match="used twice"):
+        decode(frames)
+    with pytest.raises(zbus.CodecError, match="used twice"):
+        decode([header([ext(BYTES, [1, 0])] * 2000), bytes(2**20)])
+    assert len(decode([header([ext(BYTES, [1, 0]), ext(BYTES, [1, 1])]), bytes(64), bytes(64)])) == 2
+
+
+def test_nested_extension_bodies_count_against_the_byte_budget():
+    """msgpack hands each extension body over as a copy, so every level of nesting
+    copies what it holds again: 60 tuples around 1 MiB of inline bytes would make
+    60 MiB. Fails if extension bodies are not counted against the byte budget."""
+    body = header([b"x" * 2**20])
+    for _ in range(60):
+        body = header(msgpack.ExtType(TUPLE, body))
+    with pytest.raises(zbus.CodecError, match="budget"):
+        decode([body])
+
+
+def test_the_byte_budget_lets_real_messages_through():
+    """The positive control of the budget: a large inline value a few extension
+    levels deep (a dataclass in the arguments tuple), and large frames."""
+    obj = ((Point(1, 2.0, "x" * 2**20), [b"y" * 2**20]), {"t": torch.ones(2**18)})
+    out = decode(as_wire(encode(obj)))
+    assert out[0][0] == obj[0][0] and torch.equal(out[1]["t"], obj[1]["t"])
+
+
+def nested(opener: bytes, n: int) -> bytes:
+    return opener * n + b"\xc0"
+
+
+@pytest.mark.parametrize("data", [nested(b"\x81\xa1a", 1000), nested(b"\x91", 1000),
+                                  nested(b"\x91", codec.MAX_DEPTH + 1),
+                                  nested(b"\x81\xa1a", codec.MAX_DEPTH + 1),
+                                  nested(b"\xdc\x00\x01", codec.MAX_DEPTH + 1),
+                                  nested(b"\x91", codec.MAX_DEPTH) .replace(b"\xc0", b"\x90")],
+                         ids=["maps-1000", "arrays-1000", "arrays", "maps", "array16", "empty-innermost"])
+def test_plain_nesting_counts_toward_max_depth(data):
+    """msgpack itself nests up to 1024 plain maps or arrays, and str() of such a
+    value raises RecursionError. Fails if only extension types count toward
+    MAX_DEPTH."""
+    with pytest.raises(zbus.CodecError, match="nested deeper"):
+        decode([data])
+
+
+def test_nesting_up_to_max_depth_decodes():
+    assert decode([nested(b"\x91", codec.MAX_DEPTH)]) is not None
+    inner = header(None)  # tuples and plain lists mixed: each tuple is two levels
+    for _ in range(codec.MAX_DEPTH // 2):
+        inner = header(msgpack.ExtType(TUPLE, b"\x91" + inner))
+    assert str(decode([inner])).count("(") == codec.MAX_DEPTH // 2
+    with pytest.raises(zbus.CodecError, match="nested deeper"):
+        decode([b"\x91" + inner])
+
+
+@pytest.mark.parametrize("data", [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",
+                                  b"\xdb\x7f\xff\xff\xff", b"\xc9\x7f\xff\xff\xff\x01",
+                                  b"\x92" + b"\xdd\x00\x01\x00\x00" * 2],
+                         ids=["array32", "map32", "bin32", "str32", "ext32", "arrays-in-array"])
+def test_declared_lengths_beyond_the_header_are_refused(data):
+    """Lengths are checked against the bytes left before anything is allocated.
+    (msgpack.unpackb's own limits already default to the buffer's length: this pins
+    that the codec keeps such limits.)"""
+    with pytest.raises(zbus.CodecError):
+        decode([data + bytes(100)])
+
+
 # --- fuzz ------------------------------------------------------------------------
 
 
