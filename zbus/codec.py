@@ -392,7 +392,7 @@ _BLOB = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}  # bin, str: widt
 _LIST = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # width of the count, items each
 _FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}  # body size
 _EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # width of the body size
-_ONE_BYTE_ITEMS = re.compile(rb"[\x00-\x7f\xc0\xc2\xc3\xe0-\xff]+")
+_ONE_BYTE_ITEMS = re.compile(rb"[\x00-\x7f\xa0\xc0\xc2\xc3\xe0-\xff]+")
 _LEVELS = bytes([*range(0x80, 0xa0), *_LIST, *_FIXEXT, *_EXT])  # type bytes that open a level
 _EXT_CODES = frozenset({_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION})
 
