@@ -873,3 +873,38 @@ def test_import_zbus_does_not_import_torch():
                          timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "clean"
+
+
+def test_tensors_need_only_torch_not_numpy():
+    """A venv may have torch without numpy. Fails if encoding a tensor goes through
+    ``tensor.numpy()`` (RuntimeError: Numpy is not available)."""
+    code = ("import sys\n"
+            "sys.modules['numpy'] = None  # import numpy now fails, as if not installed\n"
+            "import torch, zbus.codec as c\n"
+            "t = torch.arange(12, dtype=torch.float32).reshape(3, 4)\n"
+            "for x in (t, t.t(), t[:, ::2], torch.ones(5, dtype=torch.bool), torch.tensor(2.5)):\n"
+            "    frames = c.encode((x, b'y' * 20000))\n"
+            "    out = c.decode([bytes(f) for f in frames])[0]\n"
+            "    assert out.dtype == x.dtype and torch.equal(out, x), (out, x)\n"
+            "assert sys.modules['numpy'] is None\n"
+            "print('no numpy')\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "no numpy"
+
+
+def test_tensor_frames_are_zero_copy_views():
+    """The frame of a contiguous tensor is a view of its memory, kept alive by the
+    view. Fails if encode copies the data."""
+    t = torch.arange(2**16, dtype=torch.float32)
+    view = encode(t)[1]
+    del t
+    import gc
+    gc.collect()
+    assert view.nbytes == 2**18 and view.format == "B" and view.readonly is False
+    ptr = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+    t2 = torch.arange(2**16, dtype=torch.float32)
+    frame = encode(t2[16:])[1]
+    assert torch.frombuffer(frame, dtype=torch.uint8).data_ptr() == t2.data_ptr() + 64
+    assert torch.equal(torch.frombuffer(view, dtype=torch.float32), torch.arange(2**16, dtype=torch.float32))
+    assert ptr

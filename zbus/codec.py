@@ -17,6 +17,7 @@ as a tuple item; inside a list or dict msgpack packs it itself, as inline bytes.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -159,9 +160,7 @@ class _Encoder:
             t = t.contiguous()  # overlapping or gapped layout: send a compact copy
             strides = list(t.stride())
         # The elements tile one block (size-1 dims may have any stride): send it as is.
-        flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
-        raw = flat.view(torch.uint8).numpy()
-        return [dtype, list(t.shape), strides, self.oob(memoryview(raw).cast("B"))]
+        return [dtype, list(t.shape), strides, self.oob(_tensor_bytes(t))]
 
     def _ndarray(self, a: Any, np: Any) -> list:
         if a.dtype.kind not in _NP_KINDS or a.dtype.fields is not None:
@@ -176,6 +175,14 @@ class _Encoder:
 _NP_KINDS = "biufc?"
 _NP_DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")  # a numeric dtype as ``dtype.str`` writes it
 _KIND_OF = {bytearray: 1, memoryview: 2}  # the wire kinds of _BYTES_KINDS
+
+
+def _tensor_bytes(t: Any) -> memoryview:
+    """A zero-copy byte view of the block a dense CPU tensor's elements tile, with
+    no numpy (torch can run without it). The view keeps the tensor alive."""
+    block = (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    block._zbus_tensor = t  # the memoryview holds the ctypes array, which holds the tensor
+    return memoryview(block).cast("B")
 
 
 class _BigBytes:
