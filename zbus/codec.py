@@ -153,6 +153,8 @@ class _Encoder:
             raise CodecError(f"cannot send a {t.layout} tensor: only dense strided tensors")
         t = t.detach().resolve_conj().resolve_neg()
         dtype = str(t.dtype).removeprefix("torch.")
+        if _torch_dtypes(torch).get(dtype) is not t.dtype:
+            raise CodecError(f"cannot send a tensor of dtype {dtype}: not one of zbus.codec.TENSOR_DTYPES")
         if t.numel() == 0:
             return [dtype, list(t.shape), None, None]
         strides = list(t.stride())
@@ -321,8 +323,10 @@ class _Decoder:
         numel = _numel(shape)
         if len(data) != numel * itemsize or not _dense(shape, strides):
             raise CodecError("tensor data does not match its shape and dtype")
-        flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-        return flat.as_strided(shape, strides)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+        if dtype is torch.bool and numel and int(flat.max()) > 1:
+            raise CodecError("bool tensor data other than 0 and 1")
+        return flat.view(dtype).as_strided(shape, strides)
 
     def _ndarray(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 3 and type(body[0]) is str and _ints(body[1])):
@@ -485,13 +489,15 @@ def _shape(body: Any, *types: type) -> bool:
         type(v) is t for v, t in zip(body, types))
 
 
+# The tensor dtypes on the wire: the real numeric ones, and bool (whose bytes are
+# checked). Sub-byte, bits, quantized and complex32 types are refused both ways.
+TENSOR_DTYPES = ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+                 "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _dtype_cache: dict[str, Any] = {}
 
 
 def _torch_dtypes(torch: Any) -> dict[str, Any]:
-    if not _dtype_cache:
-        for name in dir(torch):
-            value = getattr(torch, name)
-            if isinstance(value, torch.dtype) and not str(value).startswith("torch.q"):
-                _dtype_cache[str(value).removeprefix("torch.")] = value
+    if not _dtype_cache:  # the names this torch has
+        _dtype_cache.update((n, getattr(torch, n)) for n in TENSOR_DTYPES if hasattr(torch, n))
     return _dtype_cache
