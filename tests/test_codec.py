@@ -941,3 +941,34 @@ def test_tensor_frames_are_zero_copy_views():
     assert torch.frombuffer(frame, dtype=torch.uint8).data_ptr() == t2.data_ptr() + 64
     assert torch.equal(torch.frombuffer(view, dtype=torch.float32), torch.arange(2**16, dtype=torch.float32))
     assert ptr
+
+
+def test_tensor_from_a_zmq_frame_uses_the_frame_in_place_never_the_senders_memory():
+    """What decode's docstring and docs/security.md claim: a ZeroMQ frame received
+    with copy=False (as zbus receives) is writable and owned by that message alone,
+    so a decoded tensor uses it in place, and writing to the tensor changes neither
+    the sender's tensor nor a second decode's. Fails if decoded tensors alias the
+    sender's memory or if writable frames are copied."""
+    import zmq
+
+    from zbus.queues import recv_frames
+
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        t = torch.arange(2**16, dtype=torch.int32)
+        for _ in range(2):
+            push.send_multipart(encode(t), copy=False)
+        frames = recv_frames(pull, None, "test")
+        assert not frames[1].readonly
+        out = decode(frames)
+        assert out.data_ptr() == torch.frombuffer(frames[1], dtype=torch.uint8).data_ptr(), "copied"
+        out += 1
+        assert torch.equal(t, torch.arange(2**16, dtype=torch.int32)), "wrote into the sender's tensor"
+        assert torch.equal(decode(recv_frames(pull, None, "test")), t)
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()

@@ -8,7 +8,7 @@ module or runs code the sender names: extension types map to a fixed table, dtyp
 to a whitelist, and dataclasses to the ones registered with :func:`register`.
 
 Supported: None, bool, int, float, str, bytes, bytearray, memoryview, list, tuple
-(kept as tuple), dict, ``torch.Tensor`` (CPU, any dtype and layout, 0-d included),
+(kept as tuple), dict, ``torch.Tensor`` (CPU, ``TENSOR_DTYPES``, any layout, 0-d included),
 ``numpy.ndarray`` (numeric dtypes), registered dataclasses, and exceptions (sent as
 :class:`ExceptionInfo`: type name, message and traceback text). A bytearray or
 memoryview keeps its kind (and travels out of band when large) at the top level and
