@@ -339,3 +339,57 @@ def test_a_caller_reading_its_replies_keeps_heartbeats_and_control_messages_serv
         assert proc.wait(30) == 0
     finally:
         end_process(proc)
+
+
+def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
+    """Crafted messages on the PULL port, and an error inside the loop itself (as a
+    bug or a message that breaks a handler would raise), are logged and counted;
+    heartbeats go on. Fails if the I/O loop catches only ZMQError, or if a dropped
+    message is formatted with str() of the whole value."""
+    from zbus.cluster import ClusterSettings, Leader, brief
+    from zbus.queues import Broadcaster
+
+    assert len(brief([[[[list(range(1000))]]]] * 1000)) < 200
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    assert len(brief(deep)) < 100  # str(deep) raises RecursionError
+    port = free_port_pair()
+    settings = ClusterSettings(nnodes=2, nproc_per_node=1, master_addr="127.0.0.1", master_port=port,
+                               liveness_s=1.0)
+    lead = Leader(settings, lambda **kw: Broadcaster(0, **kw), on_failure=lambda e: None)
+    ctx = zmq.Context()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    try:
+        broken = {"n": 0}
+        real = lead._read_subscriptions
+
+        def flaky():
+            if broken["n"] < 3:
+                broken["n"] += 1
+                raise RecursionError("maximum recursion depth exceeded")
+            real()
+
+        lead._read_subscriptions = flaky
+        lead.start()
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC_HEARTBEAT)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        for frames in ([b"\x81\xa1a" * 1000 + b"\xc0"], [b"\x91" * 60 + b"\x90"], [b"\xc1garbage"],
+                       codec.encode({"a": [[[[1]]]]}), codec.encode(["unknown", [[[[2]]]]])):
+            push.send_multipart(frames)
+        deadline = time.monotonic() + 10
+        beats = 0
+        while beats < 5 and time.monotonic() < deadline:
+            if sub.poll(500):
+                sub.recv_multipart()
+                beats += 1
+        assert beats >= 5, "heartbeats stopped"
+        assert broken["n"] == 3 and lead._thread.is_alive()
+        assert lead.dropped >= 5 + 3
+        assert lead.failure is None
+    finally:
+        sub.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+        lead.close()

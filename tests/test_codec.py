@@ -125,6 +125,7 @@ def expected(obj, keeps_kind: bool = True):
 @given(plain)
 def test_plain_data_round_trip(obj):
     frames = encode(obj)
+    codec._walk(bytes(frames[0]))  # the depth walk follows any valid header (decode skips short ones)
     assert same(decode(frames), expected(obj))
     assert same(decode(as_wire(frames)), expected(obj))
 
@@ -188,8 +189,14 @@ def test_memoryview_of_other_formats_and_layouts():
 REQUIRED_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
                    torch.complex128]
-ALL_DTYPES = sorted({v for v in vars(torch).values()
-                     if isinstance(v, torch.dtype) and not str(v).startswith("torch.q")}, key=str)
+# The dtypes zbus sends: the real numeric ones (and bool), as far as this torch has them.
+WIRE_DTYPE_NAMES = ["bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+                    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+                    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                    "float8_e8m0fnu"]
+ALL_DTYPES = [getattr(torch, n) for n in WIRE_DTYPE_NAMES if hasattr(torch, n)]
+ODD_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)} - set(ALL_DTYPES),
+                    key=str)
 assert set(REQUIRED_DTYPES) <= set(ALL_DTYPES)
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -204,7 +211,7 @@ def _can_copy(dtype: torch.dtype) -> bool:
 
 COPYABLE = {d for d in ALL_DTYPES if _can_copy(d)}
 assert set(REQUIRED_DTYPES) <= COPYABLE
-for _name in ["uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "complex32"]:
+for _name in ["uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"]:
     if hasattr(torch, _name):  # present in this torch: must be covered as well
         assert getattr(torch, _name) in ALL_DTYPES
 
@@ -273,6 +280,33 @@ def test_tensor_round_trip_every_dtype_and_layout(dtype):
             assert_same_tensor(out["t"], view)
         if name in ("transpose", "permute", "offset-transpose"):
             assert decode(frames)["t"].stride() == view.stride(), "a dense layout is sent as it is"
+
+
+@pytest.mark.parametrize("dtype", ODD_DTYPES, ids=str)
+def test_odd_dtypes_are_refused_both_ways(dtype):
+    """Sub-byte, bits, quantized and complex32 dtypes are not on the wire. Fails if
+    the dtype table is built from every torch.dtype instead of an explicit list."""
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(zbus.CodecError, match="dtype"):
+        decode([header(ext(TENSOR, [name, [1], [1], 0])), bytes(8)])
+    try:
+        t = torch.zeros(8, dtype=torch.uint8).view(dtype)
+    except (RuntimeError, TypeError):
+        return  # torch cannot even make one
+    with pytest.raises(zbus.CodecError, match="dtype"):
+        encode(t)
+
+
+def test_bool_tensor_bytes_must_be_0_or_1():
+    """Any other byte is not a bool that torch can hold. Fails if a bool tensor's
+    bytes are not checked."""
+    ok = decode([header(ext(TENSOR, ["bool", [3], [1], 0])), b"\x00\x01\x01"])
+    assert ok.tolist() == [False, True, True]
+    for bad in (b"\x00\x02\x01", b"\xff\x00\x00"):
+        with pytest.raises(zbus.CodecError, match="bool"):
+            decode([header(ext(TENSOR, ["bool", [3], [1], 0])), bad])
+        with pytest.raises(zbus.CodecError, match="bool"):
+            decode([header(ext(TENSOR, ["bool", [3], [1], 0])), bytearray(bad)])
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.float32])
@@ -639,6 +673,82 @@ def test_reasonable_nesting_still_decodes():
     assert decode(encode(obj)) == obj
 
 
+# --- amplification: every decode stays near the size of its input -----------------
+
+
+@pytest.mark.parametrize("second", [ext(BYTES, [0, 0]), ext(BYTES, [1, 0]), ext(BYTES, [2, 0]),
+                                    ext(TENSOR, ["uint8", [64], [1], 0]), ext(NDARRAY, ["|u1", [64], 0])],
+                         ids=["bytes", "bytearray", "memoryview", "tensor", "ndarray"])
+def test_a_buffer_frame_may_be_used_once(second):
+    """A header that names one frame many times would copy it many times (2000
+    references to 1 MiB: 2 GiB). Fails if a frame index may be used twice."""
+    frames = [header([ext(BYTES, [1, 0]), second]), bytes(64)]
+    with pytest.raises(zbus.CodecError, match="used twice"):
+        decode(frames)
+    with pytest.raises(zbus.CodecError, match="used twice"):
+        decode([header([ext(BYTES, [1, 0])] * 2000), bytes(2**20)])
+    assert len(decode([header([ext(BYTES, [1, 0]), ext(BYTES, [1, 1])]), bytes(64), bytes(64)])) == 2
+
+
+def test_nested_extension_bodies_count_against_the_byte_budget():
+    """msgpack hands each extension body over as a copy, so every level of nesting
+    copies what it holds again: 60 tuples around 1 MiB of inline bytes would make
+    60 MiB. Fails if extension bodies are not counted against the byte budget."""
+    body = header([b"x" * 2**20])
+    for _ in range(60):
+        body = header(msgpack.ExtType(TUPLE, body))
+    with pytest.raises(zbus.CodecError, match="budget"):
+        decode([body])
+
+
+def test_the_byte_budget_lets_real_messages_through():
+    """The positive control of the budget: a large inline value a few extension
+    levels deep (a dataclass in the arguments tuple), and large frames."""
+    obj = ((Point(1, 2.0, "x" * 2**20), [b"y" * 2**20]), {"t": torch.ones(2**18)})
+    out = decode(as_wire(encode(obj)))
+    assert out[0][0] == obj[0][0] and torch.equal(out[1]["t"], obj[1]["t"])
+
+
+def nested(opener: bytes, n: int) -> bytes:
+    return opener * n + b"\xc0"
+
+
+@pytest.mark.parametrize("data", [nested(b"\x81\xa1a", 1000), nested(b"\x91", 1000),
+                                  nested(b"\x91", codec.MAX_DEPTH + 1),
+                                  nested(b"\x81\xa1a", codec.MAX_DEPTH + 1),
+                                  nested(b"\xdc\x00\x01", codec.MAX_DEPTH + 1),
+                                  nested(b"\x91", codec.MAX_DEPTH) .replace(b"\xc0", b"\x90")],
+                         ids=["maps-1000", "arrays-1000", "arrays", "maps", "array16", "empty-innermost"])
+def test_plain_nesting_counts_toward_max_depth(data):
+    """msgpack itself nests up to 1024 plain maps or arrays, and str() of such a
+    value raises RecursionError. Fails if only extension types count toward
+    MAX_DEPTH."""
+    with pytest.raises(zbus.CodecError, match="nested deeper"):
+        decode([data])
+
+
+def test_nesting_up_to_max_depth_decodes():
+    assert decode([nested(b"\x91", codec.MAX_DEPTH)]) is not None
+    inner = header(None)  # tuples and plain lists mixed: each tuple is two levels
+    for _ in range(codec.MAX_DEPTH // 2):
+        inner = header(msgpack.ExtType(TUPLE, b"\x91" + inner))
+    assert str(decode([inner])).count("(") == codec.MAX_DEPTH // 2
+    with pytest.raises(zbus.CodecError, match="nested deeper"):
+        decode([b"\x91" + inner])
+
+
+@pytest.mark.parametrize("data", [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",
+                                  b"\xdb\x7f\xff\xff\xff", b"\xc9\x7f\xff\xff\xff\x01",
+                                  b"\x92" + b"\xdd\x00\x01\x00\x00" * 2],
+                         ids=["array32", "map32", "bin32", "str32", "ext32", "arrays-in-array"])
+def test_declared_lengths_beyond_the_header_are_refused(data):
+    """Lengths are checked against the bytes left before anything is allocated.
+    (msgpack.unpackb's own limits already default to the buffer's length: this pins
+    that the codec keeps such limits.)"""
+    with pytest.raises(zbus.CodecError):
+        decode([data + bytes(100)])
+
+
 # --- fuzz ------------------------------------------------------------------------
 
 
@@ -796,3 +906,69 @@ def test_import_zbus_does_not_import_torch():
                          timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "clean"
+
+
+def test_tensors_need_only_torch_not_numpy():
+    """A venv may have torch without numpy. Fails if encoding a tensor goes through
+    ``tensor.numpy()`` (RuntimeError: Numpy is not available)."""
+    code = ("import sys\n"
+            "sys.modules['numpy'] = None  # import numpy now fails, as if not installed\n"
+            "import torch, zbus.codec as c\n"
+            "t = torch.arange(12, dtype=torch.float32).reshape(3, 4)\n"
+            "for x in (t, t.t(), t[:, ::2], torch.ones(5, dtype=torch.bool), torch.tensor(2.5)):\n"
+            "    frames = c.encode((x, b'y' * 20000))\n"
+            "    out = c.decode([bytes(f) for f in frames])[0]\n"
+            "    assert out.dtype == x.dtype and torch.equal(out, x), (out, x)\n"
+            "assert sys.modules['numpy'] is None\n"
+            "print('no numpy')\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "no numpy"
+
+
+def test_tensor_frames_are_zero_copy_views():
+    """The frame of a contiguous tensor is a view of its memory, kept alive by the
+    view. Fails if encode copies the data."""
+    t = torch.arange(2**16, dtype=torch.float32)
+    view = encode(t)[1]
+    del t
+    import gc
+    gc.collect()
+    assert view.nbytes == 2**18 and view.format == "B" and view.readonly is False
+    ptr = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+    t2 = torch.arange(2**16, dtype=torch.float32)
+    frame = encode(t2[16:])[1]
+    assert torch.frombuffer(frame, dtype=torch.uint8).data_ptr() == t2.data_ptr() + 64
+    assert torch.equal(torch.frombuffer(view, dtype=torch.float32), torch.arange(2**16, dtype=torch.float32))
+    assert ptr
+
+
+def test_tensor_from_a_zmq_frame_uses_the_frame_in_place_never_the_senders_memory():
+    """What decode's docstring and docs/security.md claim: a ZeroMQ frame received
+    with copy=False (as zbus receives) is writable and owned by that message alone,
+    so a decoded tensor uses it in place, and writing to the tensor changes neither
+    the sender's tensor nor a second decode's. Fails if decoded tensors alias the
+    sender's memory or if writable frames are copied."""
+    import zmq
+
+    from zbus.queues import recv_frames
+
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        t = torch.arange(2**16, dtype=torch.int32)
+        for _ in range(2):
+            push.send_multipart(encode(t), copy=False)
+        frames = recv_frames(pull, None, "test")
+        assert not frames[1].readonly
+        out = decode(frames)
+        assert out.data_ptr() == torch.frombuffer(frames[1], dtype=torch.uint8).data_ptr(), "copied"
+        out += 1
+        assert torch.equal(t, torch.arange(2**16, dtype=torch.int32)), "wrote into the sender's tensor"
+        assert torch.equal(decode(recv_frames(pull, None, "test")), t)
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import reprlib
 import secrets
 import socket
 import threading
@@ -58,6 +59,20 @@ PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 DEFAULT_MASTER_PORT = 29650
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def brief(obj: Any) -> str:
+    """A short repr of a value from the network for a log line: bounded in depth and
+    length (``str`` of a deeply nested value recurses without bound)."""
+    try:
+        return _REPR.repr(obj)
+    except Exception as e:  # noqa: BLE001 - a dataclass whose repr raises, say
+        return f"<{type(obj).__name__}: repr failed: {type(e).__name__}>"
 
 
 def node_topic(node_id: str) -> bytes:
@@ -408,7 +423,7 @@ class Leader:
             self.metrics.dropped()
             return
         self._fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
-                                       f"workers: {str(reason)[:500]}"))
+                                       f"workers: {brief(reason)}"))
 
     def _on_subscribed(self, node_id: Any) -> None:
         node = self._probing.pop(node_id, None)
@@ -429,7 +444,7 @@ class Leader:
         s = self.settings
         if not isinstance(info, dict) or not all(k in info for k in ("version", "nproc", "host",
                                                                        "address", "node_rank", "pid")):
-            raise ZbusError(f"malformed join request: {str(info)[:200]}")
+            raise ZbusError(f"malformed join request: {brief(info)}")
         host = info["host"]
         if info["version"] != PROTOCOL_VERSION:
             raise ZbusError(f"node {host} speaks protocol {info['version']}, the leader {PROTOCOL_VERSION}")
@@ -483,7 +498,7 @@ class Leader:
             self._drop(f"a message that could not be read: {e}")
             return None
         if type(msg) is not list or not msg:
-            self._drop(f"a message of the wrong shape: {str(msg)[:100]}")
+            self._drop(f"a message of the wrong shape: {brief(msg)}")
             return None
         return msg
 
@@ -491,36 +506,45 @@ class Leader:
         """The I/O thread: heartbeats and liveness, subscriptions while the cluster
         forms (the XPUB socket is then only ours), the messages a caller left to
         it, and the PULL socket whenever no caller has wanted it for a while."""
-        s = self.settings
         next_hb = 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_hb:
-                    if not self._send(TOPIC_HEARTBEAT, ["hb"], timeout=s.heartbeat_s / 2):
-                        log.warning("heartbeat not sent: a node is not taking messages")
-                    next_hb = time.monotonic() + s.heartbeat_s
-                    self._check_liveness(time.monotonic())
-                    touch_health()
-                wait_ms = min(50, int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
-                self._read_subscriptions()
-                if not self.formed:
-                    self._probe()
-                self._wake.clear()
-                for _ in range(min(len(self._control), 256)):  # bounded, as the reading is
-                    self._dispatch_safely(self._control.popleft())
-                if time.monotonic() - self._caller_seen < CALLERS_QUIET_S:
-                    self._wake.wait(wait_ms / 1000)  # callers read the socket
-                elif self.pull_lock.acquire(timeout=wait_ms / 1000):
-                    try:
-                        self._read_pull(wait_ms)
-                    finally:
-                        self.pull_lock.release()
-                    with self.cond:
-                        self.cond.notify_all()  # a caller that waited for the socket may take it
-        except zmq.ZMQError as e:
-            if not self._stop.is_set():
-                self._fail(ExecutorFailedError(f"leader I/O failed: {e}"))
+        while not self._stop.is_set():
+            try:
+                next_hb = self._step(next_hb)
+            except zmq.ZMQError as e:
+                if not self._stop.is_set():
+                    self._fail(ExecutorFailedError(f"leader I/O failed: {e}"))
+                return
+            except Exception as e:  # noqa: BLE001 - nothing a peer sends may stop heartbeats
+                self._drop(f"a message that broke the I/O loop: {type(e).__name__}: {brief(str(e))}")
+                self._stop.wait(0.05)  # no busy loop if it happens again at once
+
+    def _step(self, next_hb: float) -> float:
+        """One turn of the I/O loop; the time of the next heartbeat."""
+        s = self.settings
+        now = time.monotonic()
+        if now >= next_hb:
+            if not self._send(TOPIC_HEARTBEAT, ["hb"], timeout=s.heartbeat_s / 2):
+                log.warning("heartbeat not sent: a node is not taking messages")
+            next_hb = time.monotonic() + s.heartbeat_s
+            self._check_liveness(time.monotonic())
+            touch_health()
+        wait_ms = min(50, int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
+        self._read_subscriptions()
+        if not self.formed:
+            self._probe()
+        self._wake.clear()
+        for _ in range(min(len(self._control), 256)):  # bounded, as the reading is
+            self._dispatch_safely(self._control.popleft())
+        if time.monotonic() - self._caller_seen < CALLERS_QUIET_S:
+            self._wake.wait(wait_ms / 1000)  # callers read the socket
+        elif self.pull_lock.acquire(timeout=wait_ms / 1000):
+            try:
+                self._read_pull(wait_ms)
+            finally:
+                self.pull_lock.release()
+            with self.cond:
+                self.cond.notify_all()  # a caller that waited for the socket may take it
+        return next_hb
 
     def pump(self, timeout: float) -> bool:
         """Read the PULL socket in this thread for up to ``timeout`` seconds (until
@@ -564,7 +588,7 @@ class Leader:
         try:
             self._dispatch(msg)
         except Exception as e:  # noqa: BLE001 - a bad message must not stop the reader
-            self._drop(f"a message that broke its handler: {type(e).__name__}: {e}")
+            self._drop(f"a message that broke its handler: {type(e).__name__}: {brief(str(e))}")
 
     def _read_subscriptions(self) -> None:
         """Take the XPUB socket's subscription notices (a node topic means a node
@@ -621,13 +645,13 @@ class Leader:
         elif kind == "gap" and len(msg) == 4 and type(msg[1]) is int and msg[1] in self.nodes:
             node = self.nodes[msg[1]]  # its agent saw calls go missing (a reset connection)
             self._fail(NodeLostError(node.node_rank, node.host,
-                                     f"missed calls {str(msg[2])[:20]} to {str(msg[3])[:20]}"))
+                                     f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
         elif kind == "refused" and len(msg) == 3:
             self._on_refused(msg[1], msg[2])
         elif kind == "status" and len(msg) == 2:
             self._answer_status(msg[1])
         else:
-            self._drop(f"an unknown control message {str(kind)[:50]!r}")
+            self._drop(f"an unknown control message {brief(kind)}")
 
     def _drop(self, what: str) -> None:
         """Count a dropped message; log it, at most once a second under a flood."""

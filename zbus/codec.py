@@ -8,7 +8,7 @@ module or runs code the sender names: extension types map to a fixed table, dtyp
 to a whitelist, and dataclasses to the ones registered with :func:`register`.
 
 Supported: None, bool, int, float, str, bytes, bytearray, memoryview, list, tuple
-(kept as tuple), dict, ``torch.Tensor`` (CPU, any dtype and layout, 0-d included),
+(kept as tuple), dict, ``torch.Tensor`` (CPU, ``TENSOR_DTYPES``, any layout, 0-d included),
 ``numpy.ndarray`` (numeric dtypes), registered dataclasses, and exceptions (sent as
 :class:`ExceptionInfo`: type name, message and traceback text). A bytearray or
 memoryview keeps its kind (and travels out of band when large) at the top level and
@@ -17,6 +17,7 @@ as a tuple item; inside a list or dict msgpack packs it itself, as inline bytes.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -35,7 +36,11 @@ _BYTES_KINDS = {0: bytes, 1: bytearray, 2: memoryview}
 OOB_THRESHOLD = 16 * 1024  # byte strings at least this long travel as their own frame
 MAX_MESSAGE = int(os.environ.get("ZBUS_MAX_MESSAGE", 4 * 2**30))
 _MAX_FRAMES = 1 << 20
-MAX_DEPTH = 32  # nesting of extension types (tuples, dataclasses, ...) in one message
+# Nesting of maps, arrays and extension types in one message (a tuple is two levels:
+# the extension and its list). Each extension level is also a nested msgpack unpack
+# using ~40 KiB of C stack: 64 of them fit the 8 MiB of a thread's stack.
+MAX_DEPTH = 64
+BUDGET_FACTOR = 4  # a decode copies at most this many times the message size (+ 1 MiB)
 
 _registry: dict[str, type] = {}
 _families: dict[str, TypeFamily] = {}
@@ -180,6 +185,8 @@ class _Encoder:
             raise CodecError(f"cannot send a {t.layout} tensor: only dense strided tensors")
         t = t.detach().resolve_conj().resolve_neg()
         dtype = str(t.dtype).removeprefix("torch.")
+        if _torch_dtypes(torch).get(dtype) is not t.dtype:
+            raise CodecError(f"cannot send a tensor of dtype {dtype}: not one of zbus.codec.TENSOR_DTYPES")
         if t.numel() == 0:
             return [dtype, list(t.shape), None, None]
         strides = list(t.stride())
@@ -187,9 +194,7 @@ class _Encoder:
             t = t.contiguous()  # overlapping or gapped layout: send a compact copy
             strides = list(t.stride())
         # The elements tile one block (size-1 dims may have any stride): send it as is.
-        flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
-        raw = flat.view(torch.uint8).numpy()
-        return [dtype, list(t.shape), strides, self.oob(memoryview(raw).cast("B"))]
+        return [dtype, list(t.shape), strides, self.oob(_tensor_bytes(t))]
 
     def _ndarray(self, a: Any, np: Any) -> list:
         if a.dtype.kind not in _NP_KINDS or a.dtype.fields is not None:
@@ -204,6 +209,14 @@ class _Encoder:
 _NP_KINDS = "biufc?"
 _NP_DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")  # a numeric dtype as ``dtype.str`` writes it
 _KIND_OF = {bytearray: 1, memoryview: 2}  # the wire kinds of _BYTES_KINDS
+
+
+def _tensor_bytes(t: Any) -> memoryview:
+    """A zero-copy byte view of the block a dense CPU tensor's elements tile, with
+    no numpy (torch can run without it). The view keeps the tensor alive."""
+    block = (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    block._zbus_tensor = t  # the memoryview holds the ctypes array, which holds the tensor
+    return memoryview(block).cast("B")
 
 
 class _BigBytes:
@@ -257,31 +270,45 @@ def encode(obj: Any) -> list[Any]:
 
 
 class _Decoder:
-    __slots__ = ("frames", "depth")
+    __slots__ = ("frames", "used", "budget")
 
-    def __init__(self, frames: Sequence[Any]) -> None:
+    def __init__(self, frames: Sequence[Any], budget: int) -> None:
         self.frames = frames
-        self.depth = 0
+        self.used: set[int] = set()
+        self.budget = budget
 
-    def unpack(self, data: bytes) -> Any:
-        return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=False,
-                               use_list=True)
+    def spend(self, nbytes: int) -> None:
+        """Count bytes that decoding materialises (copies of frames and bodies)."""
+        self.budget -= nbytes
+        if self.budget < 0:
+            raise CodecError("decoding this message would exceed its byte budget "
+                             f"({BUDGET_FACTOR}x its size + 1 MiB)")
+
+    def unpack(self, data: Any) -> Any:
+        n = len(data)  # no declared length may reach past the data
+        return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=False, use_list=True,
+                               max_str_len=n, max_bin_len=n, max_ext_len=n, max_array_len=n,
+                               max_map_len=n // 2)
 
     def frame(self, index: Any) -> memoryview:
         if type(index) is not int or not 0 <= index < len(self.frames) - 1:
             raise CodecError(f"buffer index {index!r} out of range")
+        if index in self.used:  # encode never reuses one; each use could copy the frame again
+            raise CodecError(f"buffer index {index} used twice")
+        self.used.add(index)
         return self.frames[index + 1]
 
+    def copy(self, data: Any, kind: type = bytearray) -> Any:
+        self.spend(len(data))
+        return kind(data)
+
+    def private(self, view: memoryview) -> Any:
+        """The frame itself if writable, else a private copy (see :func:`decode`)."""
+        return view if not view.readonly else self.copy(view)
+
     def ext(self, code: int, data: bytes) -> Any:
-        # Each level is a nested unpack using ~40 KiB of C stack: ~200 levels (a 1 KiB
-        # message) would overflow it and kill the process.
-        if self.depth >= MAX_DEPTH:
-            raise CodecError(f"extension types nested deeper than {MAX_DEPTH}")
-        self.depth += 1
-        try:
-            body = self.unpack(data)
-        finally:
-            self.depth -= 1
+        self.spend(len(data))  # msgpack hands each body over as a copy: nesting copies again
+        body = self.unpack(data)
         if code == _TUPLE and type(body) is list:
             return tuple(body)
         if code == _BYTES:
@@ -307,8 +334,8 @@ class _Decoder:
         elif type(data) is not bytes:
             raise CodecError("malformed bytes extension")
         if kind is memoryview:  # writable, like one decoded from its own frame
-            return memoryview(_writable(data) if type(data) is memoryview else bytearray(data))
-        return kind(data)
+            return memoryview(self.private(data) if type(data) is memoryview else self.copy(data))
+        return data if kind is bytes and type(data) is bytes else self.copy(data, kind)
 
     def _tensor(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 4 and type(body[0]) is str and _ints(body[1])):
@@ -325,13 +352,15 @@ class _Decoder:
             return torch.empty(shape, dtype=dtype)
         if not _ints(strides) or len(strides) != len(shape):
             raise CodecError("malformed tensor strides")
-        data = _writable(self.frame(index))
+        data = self.private(self.frame(index))
         itemsize = dtype.itemsize
         numel = _numel(shape)
         if len(data) != numel * itemsize or not _dense(shape, strides):
             raise CodecError("tensor data does not match its shape and dtype")
-        flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-        return flat.as_strided(shape, strides)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+        if dtype is torch.bool and numel and int(flat.max()) > 1:
+            raise CodecError("bool tensor data other than 0 and 1")
+        return flat.view(dtype).as_strided(shape, strides)
 
     def _ndarray(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 3 and type(body[0]) is str and _ints(body[1])):
@@ -351,7 +380,7 @@ class _Decoder:
             if _numel(shape) != 0:
                 raise CodecError("ndarray without data")
             return np.empty(shape, dtype)
-        data = _writable(self.frame(body[2]))
+        data = self.private(self.frame(body[2]))
         if len(data) != _numel(shape) * dtype.itemsize:
             raise CodecError("ndarray data does not match its shape and dtype")
         return np.frombuffer(data, dtype).reshape(shape)
@@ -385,8 +414,14 @@ class _Decoder:
 
 def decode(frames: Sequence[Any], max_bytes: int | None = None) -> Any:
     """Decode frames made by :func:`encode`. Raises :class:`CodecError` on anything
-    malformed, truncated, unknown or larger than ``max_bytes`` (default
-    ``ZBUS_MAX_MESSAGE``, 4 GiB)."""
+    malformed, truncated, unknown, nested deeper than ``MAX_DEPTH`` or larger than
+    ``max_bytes`` (default ``ZBUS_MAX_MESSAGE``, 4 GiB).
+
+    Each buffer frame is used at most once, and what decoding copies (read-only
+    frames, extension bodies, bytearrays) stays within ``BUDGET_FACTOR`` times the
+    message size plus 1 MiB. Tensors, arrays and memoryviews use a writable frame
+    in place: pass only frames that belong to this message alone (a private ring
+    buffer, a ZeroMQ frame received with ``copy=False``); read-only ones are copied."""
     limit = MAX_MESSAGE if max_bytes is None else max_bytes
     if not frames or len(frames) > _MAX_FRAMES:
         raise CodecError(f"a message needs 1 to {_MAX_FRAMES} frames, got {len(frames)}")
@@ -395,17 +430,95 @@ def decode(frames: Sequence[Any], max_bytes: int | None = None) -> Any:
     if size > limit:
         raise CodecError(f"message of {size} bytes exceeds the limit of {limit} bytes")
     try:
-        return _Decoder(views).unpack(views[0])
+        _check_header(views[0])
+        return _Decoder(views, BUDGET_FACTOR * size + 2**20).unpack(views[0])
     except CodecError:
         raise
     except Exception as e:  # msgpack raises several types on bad input; none may escape
         raise CodecError(f"cannot decode message: {type(e).__name__}: {e}") from e
 
 
-def _writable(view: memoryview) -> Any:
-    """The buffer itself if writable (ring frames are), else a private copy: a
-    tensor must never alias read-only or transport-owned memory."""
-    return view if not view.readonly else bytearray(view)
+# How msgpack lays out each type byte (github.com/msgpack/msgpack/blob/master/spec.md).
+_FIXED = bytearray(256)  # size of an item that is a type byte and a fixed payload; else 0
+for _b in [*range(0x00, 0x80), *range(0xe0, 0x100), 0xc0, 0xc2, 0xc3]:
+    _FIXED[_b] = 1
+for _b in range(0xa0, 0xc0):  # fixstr
+    _FIXED[_b] = 1 + (_b & 0x1f)
+for _b, _n in {0xca: 5, 0xcb: 9, 0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9, 0xd0: 2, 0xd1: 3, 0xd2: 5,
+               0xd3: 9}.items():
+    _FIXED[_b] = _n
+_BLOB = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}  # bin, str: width of the length
+_LIST = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # width of the count, items each
+_FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}  # body size
+_EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # width of the body size
+_ONE_BYTE_ITEMS = re.compile(rb"[\x00-\x7f\xa0\xc0\xc2\xc3\xe0-\xff]+")
+_LEVELS = bytes([*range(0x80, 0xa0), *_LIST, *_FIXEXT, *_EXT])  # type bytes that open a level
+_EXT_CODES = frozenset({_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION})
+
+
+def _check_header(view: memoryview) -> None:
+    """Refuse a header nested deeper than MAX_DEPTH, counting every map, array and
+    extension type, before msgpack builds anything: msgpack alone nests 1024 deep,
+    beyond what ``str`` or ``==`` of the value survive. Only a header with more
+    bytes that may open a level than MAX_DEPTH is walked."""
+    data = bytes(view)
+    if len(data) - len(data.translate(None, _LEVELS)) > MAX_DEPTH:
+        try:
+            _walk(data)
+        except IndexError:
+            raise CodecError("truncated header") from None
+
+
+def _walk(data: bytes) -> None:
+    """Follow the type bytes: nesting, counts and lengths that reach past the end,
+    extension codes and body lengths (one list of levels, no recursion)."""
+    end, pos, fixed = len(data), 0, _FIXED
+    left, body_end = 1, -1  # items left at this level; where its extension body ends
+    stack: list[tuple[int, int]] = []
+    while True:
+        while left and fixed[data[pos]]:  # scalars, the bulk of a long header: by runs
+            size = fixed[data[pos]]
+            if size == 1:
+                run = _ONE_BYTE_ITEMS.match(data, pos, pos + left).end() - pos
+            else:  # items of one type byte (floats, uint16, ...) at a fixed stride
+                types = data[pos:pos + size * min(left, 256):size]
+                run = len(types) - len(types.lstrip(types[:1]))
+            pos += size * run
+            left -= run
+        if not left:
+            if body_end >= 0 and pos != body_end:
+                raise CodecError("an extension body of the wrong length")
+            if not stack:
+                return
+            left, body_end = stack.pop()
+            continue
+        b = data[pos]
+        left -= 1
+        if b in _BLOB:
+            w = _BLOB[b]
+            pos += 1 + w + int.from_bytes(data[pos + 1:pos + 1 + w], "big")
+            continue
+        if 0x80 <= b <= 0x9f:  # fixmap, fixarray
+            items, pos, inner_end = (b & 0x0f) * (2 if b < 0x90 else 1), pos + 1, -1
+        elif b in _LIST:
+            w, each = _LIST[b]
+            items = int.from_bytes(data[pos + 1:pos + 1 + w], "big") * each
+            pos, inner_end = pos + 1 + w, -1
+        elif b in _FIXEXT or b in _EXT:
+            w = _EXT.get(b, 0)
+            size = _FIXEXT[b] if b in _FIXEXT else int.from_bytes(data[pos + 1:pos + 1 + w], "big")
+            if data[pos + 1 + w] not in _EXT_CODES:
+                raise CodecError("unknown extension type")
+            items, pos = 1, pos + 2 + w
+            inner_end = pos + size
+        else:
+            raise CodecError(f"reserved type byte 0x{b:02x}")
+        if items > (end if inner_end < 0 else inner_end) - pos:  # each item takes a byte at least
+            raise CodecError("a count or length reaches past the end of the header")
+        if len(stack) >= MAX_DEPTH:
+            raise CodecError(f"maps, arrays and extension types nested deeper than {MAX_DEPTH}")
+        stack.append((left, body_end))
+        left, body_end = items, inner_end
 
 
 def _ints(x: Any) -> bool:
@@ -424,13 +537,15 @@ def _shape(body: Any, *types: type) -> bool:
         type(v) is t for v, t in zip(body, types))
 
 
+# The tensor dtypes on the wire: the real numeric ones, and bool (whose bytes are
+# checked). Sub-byte, bits, quantized and complex32 types are refused both ways.
+TENSOR_DTYPES = ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+                 "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _dtype_cache: dict[str, Any] = {}
 
 
 def _torch_dtypes(torch: Any) -> dict[str, Any]:
-    if not _dtype_cache:
-        for name in dir(torch):
-            value = getattr(torch, name)
-            if isinstance(value, torch.dtype) and not str(value).startswith("torch.q"):
-                _dtype_cache[str(value).removeprefix("torch.")] = value
+    if not _dtype_cache:  # the names this torch has
+        _dtype_cache.update((n, getattr(torch, n)) for n in TENSOR_DTYPES if hasattr(torch, n))
     return _dtype_cache
