@@ -181,6 +181,29 @@ def test_settings_come_from_zbus_then_leaderworkerset_variables(monkeypatch):
         agent._close()
 
 
+def test_explicit_settings_win_over_defaults_and_bad_ones_are_refused(monkeypatch):
+    """Sabotage: resolve with ``master_port or env or default`` again: port 0 becomes
+    29650 silently, liveness_s=0 becomes 10, and no ValueError is raised."""
+    from zbus.cluster import ClusterSettings
+
+    for name in ("ZBUS_NNODES", "ZBUS_NPROC_PER_NODE", "ZBUS_MASTER_ADDR", "ZBUS_MASTER_PORT",
+                 "ZBUS_LIVENESS_S", "LWS_GROUP_SIZE", "LWS_LEADER_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ZBUS_MASTER_PORT", "4000")
+    assert ClusterSettings.resolve(master_port=5000).master_port == 5000
+    assert ClusterSettings.resolve().master_port == 4000
+    for kwargs, needle in [({"master_port": 0}, "master_port 0"), ({"master_port": 65535}, "65535"),
+                           ({"nnodes": 0}, "at least 1"), ({"nproc_per_node": 0}, "at least 1"),
+                           ({"master_addr": ""}, "empty"), ({"liveness_s": 0}, "positive")]:
+        with pytest.raises(ValueError, match=needle):
+            ClusterSettings.resolve(**kwargs)
+    monkeypatch.setenv("ZBUS_MASTER_PORT", "0")
+    with pytest.raises(ValueError, match="master_port 0"):
+        ClusterSettings.resolve()
+    with pytest.raises(ValueError, match="master_port 0"):
+        zbus.Executor(workers.EchoWorker, nnodes=2, master_port=0, master_addr="127.0.0.1")
+
+
 def test_torch_rendezvous_port_comes_from_the_port_range(monkeypatch):
     from zbus.executor import reserve_port
 

@@ -76,6 +76,14 @@ def _env(*names: str) -> str | None:
     return None
 
 
+def _pick(arg: Any, default: Any, *names: str) -> Any:
+    """The argument if given (not None), else the first set variable, else ``default``."""
+    if arg is not None:
+        return arg
+    value = _env(*names)
+    return default if value is None else value
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     """Where the leader is and how big the cluster is. Each field comes from the
@@ -91,13 +99,29 @@ class ClusterSettings:
     def resolve(cls, nnodes: int | None = None, nproc_per_node: int | None = None,
                 master_addr: str | None = None, master_port: int | None = None,
                 liveness_s: float | None = None) -> ClusterSettings:
-        return cls(
-            nnodes=int(nnodes or _env("ZBUS_NNODES", "LWS_GROUP_SIZE") or 1),
-            nproc_per_node=int(nproc_per_node or _env("ZBUS_NPROC_PER_NODE") or 1),
-            master_addr=master_addr or _env("ZBUS_MASTER_ADDR", "LWS_LEADER_ADDRESS") or "127.0.0.1",
-            master_port=int(master_port or _env("ZBUS_MASTER_PORT") or DEFAULT_MASTER_PORT),
-            liveness_s=float(liveness_s or _env("ZBUS_LIVENESS_S") or 10.0),
+        """Only None means "not given": an explicit 0 or "" is checked, never replaced
+        by a default. ``master_port`` 0 is refused: the followers must know it."""
+        s = cls(
+            nnodes=int(_pick(nnodes, 1, "ZBUS_NNODES", "LWS_GROUP_SIZE")),
+            nproc_per_node=int(_pick(nproc_per_node, 1, "ZBUS_NPROC_PER_NODE")),
+            master_addr=str(_pick(master_addr, "127.0.0.1", "ZBUS_MASTER_ADDR", "LWS_LEADER_ADDRESS")),
+            master_port=int(_pick(master_port, DEFAULT_MASTER_PORT, "ZBUS_MASTER_PORT")),
+            liveness_s=float(_pick(liveness_s, 10.0, "ZBUS_LIVENESS_S")),
         )
+        s._check()
+        return s
+
+    def _check(self) -> None:
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise ValueError(f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) "
+                             "must be at least 1")
+        if not self.master_addr:
+            raise ValueError("master_addr is empty")
+        if not 1 <= self.master_port <= 65534:  # the leader binds master_port and master_port + 1
+            raise ValueError(f"master_port {self.master_port} outside 1..65534: followers find the "
+                             "leader by this port, so it cannot be 0 (chosen at random)")
+        if not self.liveness_s > 0:
+            raise ValueError(f"liveness_s {self.liveness_s} must be positive")
 
     @property
     def heartbeat_s(self) -> float:
