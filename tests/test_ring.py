@@ -157,6 +157,108 @@ def test_close_lets_readers_drain_then_raises():
     reader.close()
 
 
+class _AbortOnFirstTouch:
+    """The writer's view of the ring's u32 words, through which another mapping of
+    the ring aborts it at the first word that close() reads or writes: the
+    interleaving (close reads "open", abort, close writes) a plain run hits by chance."""
+
+    def __init__(self, words, abort):
+        self._words, self._abort = words, abort
+
+    def _fire(self):
+        abort, self._abort = self._abort, None
+        if abort is not None:
+            abort()
+
+    def __getitem__(self, k):
+        value = self._words[k]
+        self._fire()
+        return value
+
+    def __setitem__(self, k, value):
+        self._fire()
+        self._words[k] = value
+
+    def release(self):
+        self._words.release()
+
+
+def test_close_never_overwrites_a_concurrent_abort():
+    """Sabotage: close() with ``if state == OPEN: state = CLOSED`` on the shared state
+    word (read, then write): the abort that lands in between is lost."""
+    from zbus import ring
+
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        writer.send([b"before"])
+        writer._i = _AbortOnFirstTouch(writer._i, reader.abort)
+        writer.close()
+        assert reader._i[ring._I_STATE] == ring._ABORTED
+        assert bytes(reader.recv(timeout=1)[0]) == b"before"  # published before the abort
+        with pytest.raises(RingClosed):
+            reader.recv(timeout=1)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_attach_refuses_a_detached_reader_slot_and_a_closed_ring():
+    """Sabotage: drop the detached/closed check in RingReader.__init__: the
+    re-attached reader would read chunks the writer is free to overwrite."""
+    writer = RingWriter.create(2, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    reader.close()
+    try:
+        with pytest.raises(RingClosed, match="reader 0 detached"):
+            RingReader.attach(writer.handle, 0)
+        writer.close(unlink=False)
+        with pytest.raises(RingClosed, match="is closed"):
+            RingReader.attach(writer.handle, 1)
+    finally:
+        writer.close()
+        shm.unlink(writer.handle.name)
+
+
+def test_rings_left_at_other_doorbells_do_not_stop_a_wake_up():
+    """Sabotage: ring every doorbell through one shared non-blocking socket (the old
+    ``shm._ringer``): rings queued at idle doorbells fill its send buffer, the
+    wake-up of the sleeping reader fails with EAGAIN, taken as "already rung",
+    and the reader sleeps until its timeout."""
+    geo = RingGeometry(256, 4)
+    idle = []
+    writer = reader = None
+    try:
+        for _ in range(48):  # ends that never wait: each abort leaves a ring at two doorbells
+            w = RingWriter.create(1, geo)
+            idle.append(w)
+            idle.append(RingReader.attach(w.handle, 0))
+            for _ in range(12):  # more than a doorbell queues (net.unix.max_dgram_qlen, 10)
+                w.abort()
+        writer = RingWriter.create(1, geo)
+        reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 0, 600))
+        got = {}
+
+        def read():
+            frames = reader.recv(timeout=10)
+            got["at"], got["data"] = time.monotonic(), bytes(frames[0])
+
+        t = threading.Thread(target=read)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not reader._i[reader._flag] and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the reader sleeps on its doorbell
+        assert reader._i[reader._flag], "the reader never went to sleep"
+        sent = time.monotonic()
+        writer.send([b"wake"])
+        t.join(15)
+        assert got["data"] == b"wake" and got["at"] - sent < 2.0
+    finally:
+        for end in [*idle, reader, writer]:
+            if end is not None:
+                end.close()
+
+
 def test_reader_index_cannot_be_attached_twice():
     writer = RingWriter.create(2, RingGeometry(256, 4))
     reader = RingReader.attach(writer.handle, 1)

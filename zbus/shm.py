@@ -264,13 +264,33 @@ def bell_address(name: str) -> bytes:
     return b"\0" + name.encode()
 
 
-_ringer = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-_ringer.setblocking(False)
+class Ringer:
+    """Rings one doorbell, through a socket of its own. Each queued ring is charged
+    to its sender until read, so a socket shared by every doorbell fills with
+    rings left at other doorbells and then fails (EAGAIN) to ring an idle one,
+    whose waiter sleeps a full slice. Here EAGAIN means this doorbell's queue
+    still holds our rings: it is rung, and ignoring the error is right."""
 
+    def __init__(self, address: bytes):
+        self.address = address
+        self._sock: socket.socket | None = None
+        self._closed = False
 
-def ring(address: bytes) -> None:
-    """Ring a doorbell; a full queue (already rung) or a missing waiter is fine."""
-    try:
-        _ringer.sendto(b"!", address)
-    except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
-        pass
+    def ring(self) -> None:
+        """Ring; a full queue (already rung), a missing waiter or a closed end is fine."""
+        sock = self._sock
+        if sock is None:
+            if self._closed:
+                return
+            sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+        try:
+            sock.sendto(b"!", self.address)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed = True
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
