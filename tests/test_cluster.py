@@ -6,6 +6,7 @@ error naming the node, never a hang."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -202,6 +203,63 @@ def test_explicit_settings_win_over_defaults_and_bad_ones_are_refused(monkeypatc
         ClusterSettings.resolve()
     with pytest.raises(ValueError, match="master_port 0"):
         zbus.Executor(workers.EchoWorker, nnodes=2, master_port=0, master_addr="127.0.0.1")
+
+
+JOIN_AND_HANG = """
+import sys, time, zmq
+from zbus import codec
+from zbus.cluster import PROTOCOL_VERSION, TOPIC_HEARTBEAT, TOPIC_RPC, node_topic
+port, node_id = int(sys.argv[1]), "e" * 16
+ctx = zmq.Context()
+sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(node_id)):
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+sub.connect(f"tcp://127.0.0.1:{port}")
+push.connect(f"tcp://127.0.0.1:{port + 1}")
+info = {"version": PROTOCOL_VERSION, "nproc": 1, "host": "doomed", "address": "127.0.0.1",
+        "node_rank": 1, "pid": 1}
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    push.send_multipart(codec.encode(["join", node_id, info]))
+    if sub.poll(300) and sub.recv_multipart()[0] == node_topic(node_id):
+        print("welcomed", flush=True)
+        time.sleep(60)  # never answers the probes: SIGKILLed here
+print("never welcomed", flush=True)
+"""
+
+
+def test_a_node_killed_while_joining_is_dropped_and_its_rank_taken_by_a_new_one():
+    """Sabotage: the old leader (probing entries never expire, and count as taken):
+    the new follower is refused with "already taken" and start-up fails. Dropping
+    only the call to _expire_probing: the join waits forever (join timeout)."""
+    port = free_port_pair()
+    doomed = subprocess.Popen([sys.executable, "-c", JOIN_AND_HANG, str(port)], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    result, fresh = {}, None
+
+    def lead():
+        try:
+            with leader(port, nnodes=2, join_timeout=60) as ex:
+                result["values"] = ex.collective_rpc("rank_value", args=(1,), timeout=30)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = e
+
+    t = threading.Thread(target=lead)
+    t.start()
+    try:
+        assert doomed.stdout.readline().strip() == "welcomed"  # bounded: it gives up after 60 s
+        doomed.kill()  # SIGKILL between the welcome and the answer to the probes
+        doomed.wait(10)
+        fresh = follower(port, "--node-rank", "1")
+        t.join(90)
+        assert not t.is_alive()
+        assert result.get("values") == [10, 11], result
+        assert fresh.wait(30) == 0
+    finally:
+        t.join(60)
+        for p in (doomed, fresh):
+            if p is not None:
+                end_process(p)
 
 
 def test_torch_rendezvous_port_comes_from_the_port_range(monkeypatch):

@@ -394,9 +394,31 @@ class Leader:
 
     def _welcome_ready(self) -> None:
         """Welcome the joins whose node topic subscription has arrived (the welcome
-        goes on that topic); probes then check the node's other subscriptions."""
+        goes on that topic); probes then check the node's other subscriptions. A
+        join for a rank that a node still being probed holds waits: that node may
+        have died (then it expires) or may answer (then this join is refused)."""
         for node_id in [n for n in self._joins if node_topic(n) in self._subscribed]:
-            self._welcome(node_id, self._joins.pop(node_id))
+            if not self._held_by_probing(self._joins[node_id].get("node_rank")):
+                self._welcome(node_id, self._joins.pop(node_id))
+
+    def _held_by_probing(self, rank: Any) -> bool:
+        probing = {n.node_rank for n in self._probing.values()}
+        if rank in (None, -1):  # any free rank: wait only if the probed nodes hold the last ones
+            taken = probing | set(self.nodes)
+            return bool(probing) and all(r in taken for r in range(1, self.settings.nnodes))
+        return type(rank) is int and rank in probing
+
+    def _expire_probing(self, now: float) -> None:
+        """Drop the nodes welcomed a liveness limit ago that never answered the
+        probes (stopped or crashed while joining), so their ranks are free again.
+        One that still runs is told, and leaves."""
+        for node_id, node in list(self._probing.items()):
+            if now - node.last_seen > self.settings.liveness_s:
+                del self._probing[node_id]
+                log.warning("node %s (rank %d) never answered the probes within %.1f s: dropped",
+                            node.host, node.node_rank, self.settings.liveness_s)
+                self._send(node_topic(node_id), ["reject", "no answer to the probes in time"], 0.1)
+        self._welcome_ready()
 
     def _welcome(self, node_id: str, info: dict) -> None:
         s = self.settings
@@ -443,6 +465,7 @@ class Leader:
             self.nodes[node.node_rank] = node
             self.cond.notify_all()
         log.info("node %d joined: %s (%s)", node.node_rank, node.host, node.address)
+        self._welcome_ready()  # a join that waited for this rank is refused now
 
     def _probe(self) -> None:
         for node_id in self._probing:
@@ -525,6 +548,8 @@ class Leader:
                         log.warning("heartbeat not sent: a node is not taking messages")
                     next_hb = time.monotonic() + s.heartbeat_s
                     self._check_liveness(time.monotonic())
+                    if not self.formed:
+                        self._expire_probing(time.monotonic())
                     touch_health()
                 wait_ms = min(50, int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
                 self._read_subscriptions()
