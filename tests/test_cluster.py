@@ -262,6 +262,27 @@ def test_a_node_killed_while_joining_is_dropped_and_its_rank_taken_by_a_new_one(
                 end_process(p)
 
 
+def test_shutdown_from_another_thread_gives_a_leaders_blocked_callers_a_zbus_error():
+    """Sabotage: shutdown() without waking and waiting for the blocked callers
+    (closing rings and sockets under them): they get ValueError, BufferError or
+    ZMQError instead of a ZbusError."""
+    from blocked_calls import errors_of_callers_blocked_at_shutdown
+
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    ex = None
+    try:
+        ex = leader(port, nnodes=2, join_timeout=60)
+        errors = errors_of_callers_blocked_at_shutdown(ex)
+        assert {name: type(e) for name, e in errors.items()} == {
+            name: zbus.ZbusError for name in ("receiving", "sending", "queued")}, errors
+        proc.wait(30)  # its worker is stuck too: the node leaves, cleanly or as leader lost
+    finally:
+        if ex is not None:
+            ex.shutdown()
+        end_process(proc)
+
+
 def test_torch_rendezvous_port_comes_from_the_port_range(monkeypatch):
     from zbus.executor import reserve_port
 
