@@ -283,6 +283,22 @@ def test_shutdown_from_another_thread_gives_a_leaders_blocked_callers_a_zbus_err
         end_process(proc)
 
 
+def test_free_port_pair_avoids_the_ports_the_kernel_hands_out():
+    """Sabotage: pick the pair by bind(0) again: the port comes from the ephemeral
+    range, where any bind(0) or outgoing connection may take it before the leader
+    binds it (a flaky "address in use")."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        lo, hi = map(int, f.read().split())
+    if lo - 10000 < 1000 and 65534 - hi < 1000:
+        pytest.skip(f"the ephemeral range {lo}-{hi} leaves no room")
+    for _ in range(20):
+        port = free_port_pair()
+        assert not (lo <= port <= hi or lo <= port + 1 <= hi), port
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+
+
 def test_torch_rendezvous_port_comes_from_the_port_range(monkeypatch):
     from zbus.executor import reserve_port
 

@@ -174,17 +174,45 @@ def _undecodable_reply(frames: list, error: Exception) -> list | None:
     return None
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for bind(0) and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _pair_free(host: str, port: int) -> bool:
+    with socket.socket() as a, socket.socket() as b:
+        try:
+            a.bind((host, port))
+            b.bind((host, port + 1))
+        except OSError:
+            return False
+    return True
+
+
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port p with p and p + 1 free on ``host`` now: for a leader on a machine of
-    its own (the local demo, tests). A cluster across hosts uses a fixed port."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
+    its own (the local demo, tests). A cluster across hosts uses a fixed port.
+
+    The pair is released until the leader binds it, so it is chosen outside the
+    kernel's ephemeral range: no bind(0) or outgoing connection takes it meanwhile."""
+    lo, hi = _ephemeral_range()
+    spans = [(s, e) for s, e in ((10000, lo - 2), (hi + 1, 65534)) if e - s > 1000]
+    rng = secrets.SystemRandom()
+    for _ in range(200 if spans else 0):
+        start, end = rng.choice(spans)
+        port = rng.randint(start, end)
+        if _pair_free(host, port):
+            return port
+    for _ in range(50):  # no room outside the ephemeral range: a port the kernel gives
+        with socket.socket() as a:
             a.bind((host, 0))
             port = a.getsockname()[1]
-            try:
-                b.bind((host, port + 1))
-            except OSError:
-                continue
+        if port < 65535 and _pair_free(host, port):
             return port
     raise OSError(f"no two consecutive free ports on {host}")
 
