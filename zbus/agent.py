@@ -236,7 +236,7 @@ class NodeAgent:
                         self._on_probe(topic, self._decode(frames[1:]))
                     elif topic == node_topic(self.node_id):
                         msg = self._decode(frames[1:])
-                        if type(msg) is list and msg[:1] == ["reject"]:  # dropped while joining
+                        if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
                             raise ZbusError(f"the leader dropped this node: {str(msg[1:])[:200]}")
                     elif topic == TOPIC_HEARTBEAT:
                         msg = self._decode(frames[1:])

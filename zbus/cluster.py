@@ -7,8 +7,8 @@ every remote rank's replies, nodes -> leader). Followers open every connection.
 
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
 ring), ``H`` leader heartbeats, ``stopping`` and the final ``bye``, ``N<node id>``
-control for one node (welcome or reject), ``RP``/``HP`` probes. Messages on the
-PULL side are codec-encoded lists: ``["join", node_id, info]``,
+control for one node (welcome, reject, or dropped: welcomed, then silent too
+long), ``RP``/``HP`` probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
 ``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
 exitcode]``, ``["gap", node_rank, expected_seq, got_seq]``, ``["refused", node_id,
 reason]``, ``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
@@ -445,7 +445,7 @@ class Leader:
                 del self._probing[node_id]
                 log.warning("node %s (rank %d) never answered the probes within %.1f s: dropped",
                             node.host, node.node_rank, self.settings.liveness_s)
-                self._send(node_topic(node_id), ["reject", "no answer to the probes in time"], 0.1)
+                self._send(node_topic(node_id), ["dropped", "no answer to the probes in time"], 0.1)
         self._welcome_ready()
 
     def _welcome(self, node_id: str, info: dict) -> None:
