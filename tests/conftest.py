@@ -23,6 +23,30 @@ def zbus_segments() -> set[str]:
     return {n for n in os.listdir(SHM) if n.startswith("zbus-")}
 
 
+def live_children(proc: psutil.Process) -> list[psutil.Process]:
+    """``proc``'s descendants still running. One that exits while it is looked at
+    is simply gone (psutil raises NoSuchProcess, or ZombieProcess, a subclass)."""
+    alive = []
+    for c in proc.children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE:
+                alive.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def describe(procs: list[psutil.Process]) -> list:
+    """Command lines for an error message; a process gone meanwhile says so."""
+    out = []
+    for c in procs:
+        try:
+            out.append(c.cmdline())
+        except psutil.Error:
+            out.append(f"pid {c.pid} (exited)")
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
     before = zbus_segments()
@@ -30,15 +54,18 @@ def no_leftovers():
     me = psutil.Process()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        children = [c for c in me.children(recursive=True) if c.is_running()
-                    and c.status() != psutil.STATUS_ZOMBIE]
+        children = live_children(me)
         left = zbus_segments() - before
         if not children and not left:
             return
         time.sleep(0.1)
+    what = describe(children)
     for c in children:
-        c.kill()
-    assert not children, f"the tests left child processes: {[c.cmdline() for c in children]}"
+        try:
+            c.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not children, f"the tests left child processes: {what}"
     assert not left, f"the tests left shared-memory segments: {sorted(left)}"
 
 

@@ -6,6 +6,7 @@ error naming the node, never a hang."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -179,6 +180,123 @@ def test_settings_come_from_zbus_then_leaderworkerset_variables(monkeypatch):
         assert agent.node_rank == 3 and agent.settings.master_addr == "10.1.2.3"
     finally:
         agent._close()
+
+
+def test_explicit_settings_win_over_defaults_and_bad_ones_are_refused(monkeypatch):
+    """Sabotage: resolve with ``master_port or env or default`` again: port 0 becomes
+    29650 silently, liveness_s=0 becomes 10, and no ValueError is raised."""
+    from zbus.cluster import ClusterSettings
+
+    for name in ("ZBUS_NNODES", "ZBUS_NPROC_PER_NODE", "ZBUS_MASTER_ADDR", "ZBUS_MASTER_PORT",
+                 "ZBUS_LIVENESS_S", "LWS_GROUP_SIZE", "LWS_LEADER_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ZBUS_MASTER_PORT", "4000")
+    assert ClusterSettings.resolve(master_port=5000).master_port == 5000
+    assert ClusterSettings.resolve().master_port == 4000
+    for kwargs, needle in [({"master_port": 0}, "master_port 0"), ({"master_port": 65535}, "65535"),
+                           ({"nnodes": 0}, "at least 1"), ({"nproc_per_node": 0}, "at least 1"),
+                           ({"master_addr": ""}, "empty"), ({"liveness_s": 0}, "positive")]:
+        with pytest.raises(ValueError, match=needle):
+            ClusterSettings.resolve(**kwargs)
+    monkeypatch.setenv("ZBUS_MASTER_PORT", "0")
+    with pytest.raises(ValueError, match="master_port 0"):
+        ClusterSettings.resolve()
+    with pytest.raises(ValueError, match="master_port 0"):
+        zbus.Executor(workers.EchoWorker, nnodes=2, master_port=0, master_addr="127.0.0.1")
+
+
+JOIN_AND_HANG = """
+import sys, time, zmq
+from zbus import codec
+from zbus.cluster import PROTOCOL_VERSION, TOPIC_HEARTBEAT, TOPIC_RPC, node_topic
+port, node_id = int(sys.argv[1]), "e" * 16
+ctx = zmq.Context()
+sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(node_id)):
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+sub.connect(f"tcp://127.0.0.1:{port}")
+push.connect(f"tcp://127.0.0.1:{port + 1}")
+info = {"version": PROTOCOL_VERSION, "nproc": 1, "host": "doomed", "address": "127.0.0.1",
+        "node_rank": 1, "pid": 1}
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    push.send_multipart(codec.encode(["join", node_id, info]))
+    if sub.poll(300) and sub.recv_multipart()[0] == node_topic(node_id):
+        print("welcomed", flush=True)
+        time.sleep(60)  # never answers the probes: SIGKILLed here
+print("never welcomed", flush=True)
+"""
+
+
+def test_a_node_killed_while_joining_is_dropped_and_its_rank_taken_by_a_new_one():
+    """Sabotage: the old leader (probing entries never expire, and count as taken):
+    the new follower is refused with "already taken" and start-up fails. Dropping
+    only the call to _expire_probing: the join waits forever (join timeout)."""
+    port = free_port_pair()
+    doomed = subprocess.Popen([sys.executable, "-c", JOIN_AND_HANG, str(port)], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    result, fresh = {}, None
+
+    def lead():
+        try:
+            with leader(port, nnodes=2, join_timeout=60) as ex:
+                result["values"] = ex.collective_rpc("rank_value", args=(1,), timeout=30)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = e
+
+    t = threading.Thread(target=lead)
+    t.start()
+    try:
+        assert doomed.stdout.readline().strip() == "welcomed"  # bounded: it gives up after 60 s
+        doomed.kill()  # SIGKILL between the welcome and the answer to the probes
+        doomed.wait(10)
+        fresh = follower(port, "--node-rank", "1")
+        t.join(90)
+        assert not t.is_alive()
+        assert result.get("values") == [10, 11], result
+        assert fresh.wait(30) == 0
+    finally:
+        t.join(60)
+        for p in (doomed, fresh):
+            if p is not None:
+                end_process(p)
+
+
+def test_shutdown_from_another_thread_gives_a_leaders_blocked_callers_a_zbus_error():
+    """Sabotage: shutdown() without waking and waiting for the blocked callers
+    (closing rings and sockets under them): they get ValueError, BufferError or
+    ZMQError instead of a ZbusError."""
+    from blocked_calls import errors_of_callers_blocked_at_shutdown
+
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    ex = None
+    try:
+        ex = leader(port, nnodes=2, join_timeout=60)
+        errors = errors_of_callers_blocked_at_shutdown(ex)
+        assert {name: type(e) for name, e in errors.items()} == {
+            name: zbus.ZbusError for name in ("receiving", "sending", "queued")}, errors
+        proc.wait(30)  # its worker is stuck too: the node leaves, cleanly or as leader lost
+    finally:
+        if ex is not None:
+            ex.shutdown()
+        end_process(proc)
+
+
+def test_free_port_pair_avoids_the_ports_the_kernel_hands_out():
+    """Sabotage: pick the pair by bind(0) again: the port comes from the ephemeral
+    range, where any bind(0) or outgoing connection may take it before the leader
+    binds it (a flaky "address in use")."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        lo, hi = map(int, f.read().split())
+    if lo - 10000 < 1000 and 65534 - hi < 1000:
+        pytest.skip(f"the ephemeral range {lo}-{hi} leaves no room")
+    for _ in range(20):
+        port = free_port_pair()
+        assert not (lo <= port <= hi or lo <= port + 1 <= hi), port
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
 
 
 def test_torch_rendezvous_port_comes_from_the_port_range(monkeypatch):

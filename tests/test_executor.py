@@ -234,6 +234,22 @@ def test_shutdown_is_idempotent_and_frees_everything():
         ex.collective_rpc("noop")
 
 
+def test_shutdown_from_another_thread_gives_blocked_callers_a_zbus_error():
+    """Sabotage: shutdown() without waking and waiting for the blocked callers
+    (unmapping the rings under them): they get ValueError or BufferError from the
+    released memory instead of a ZbusError."""
+    from blocked_calls import errors_of_callers_blocked_at_shutdown
+
+    ex = zbus.Executor(EchoWorker, nproc_per_node=1)
+    try:
+        errors = errors_of_callers_blocked_at_shutdown(ex)
+    finally:
+        ex.shutdown()
+    assert {name: type(e) for name, e in errors.items()} == {
+        name: zbus.ZbusError for name in ("receiving", "sending", "queued")}, errors
+    assert all("shut down" in str(e) for e in errors.values()), errors
+
+
 def test_driver_sigkill_ends_workers_and_frees_shared_memory():
     before = zbus_segments()
     proc = spawn_python(

@@ -331,8 +331,18 @@ def test_bind_explicit_port(ctx):
         s.close(linger=0)
 
 
+def _os_port_range(width: int = 64) -> tuple[int, int]:
+    """A range of ``width`` ports starting at one the OS just gave: no fixed ports
+    that another run or program on the machine may hold."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    lo = port if port + width - 1 <= 65535 else port - width + 1
+    return lo, lo + width - 1
+
+
 def test_bind_port_range(ctx):
-    lo, hi = 42100, 42163
+    lo, hi = _os_port_range()
     socks = [ctx.socket(zmq.PULL) for _ in range(3)]
     try:
         ports = [bind(s, HOST, port_range=(lo, hi)) for s in socks]

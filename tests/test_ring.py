@@ -8,12 +8,13 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 
 import psutil
 import pytest
-from conftest import end_process, spawn_python, zbus_segments
+from conftest import TEST_PATH, end_process, spawn_python, zbus_segments
 from ring_procs import make_message
 
 from zbus import shm
@@ -156,6 +157,108 @@ def test_close_lets_readers_drain_then_raises():
     reader.close()
 
 
+class _AbortOnFirstTouch:
+    """The writer's view of the ring's u32 words, through which another mapping of
+    the ring aborts it at the first word that close() reads or writes: the
+    interleaving (close reads "open", abort, close writes) a plain run hits by chance."""
+
+    def __init__(self, words, abort):
+        self._words, self._abort = words, abort
+
+    def _fire(self):
+        abort, self._abort = self._abort, None
+        if abort is not None:
+            abort()
+
+    def __getitem__(self, k):
+        value = self._words[k]
+        self._fire()
+        return value
+
+    def __setitem__(self, k, value):
+        self._fire()
+        self._words[k] = value
+
+    def release(self):
+        self._words.release()
+
+
+def test_close_never_overwrites_a_concurrent_abort():
+    """Sabotage: close() with ``if state == OPEN: state = CLOSED`` on the shared state
+    word (read, then write): the abort that lands in between is lost."""
+    from zbus import ring
+
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        writer.send([b"before"])
+        writer._i = _AbortOnFirstTouch(writer._i, reader.abort)
+        writer.close()
+        assert reader._i[ring._I_STATE] == ring._ABORTED
+        assert bytes(reader.recv(timeout=1)[0]) == b"before"  # published before the abort
+        with pytest.raises(RingClosed):
+            reader.recv(timeout=1)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_attach_refuses_a_detached_reader_slot_and_a_closed_ring():
+    """Sabotage: drop the detached/closed check in RingReader.__init__: the
+    re-attached reader would read chunks the writer is free to overwrite."""
+    writer = RingWriter.create(2, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    reader.close()
+    try:
+        with pytest.raises(RingClosed, match="reader 0 detached"):
+            RingReader.attach(writer.handle, 0)
+        writer.close(unlink=False)
+        with pytest.raises(RingClosed, match="is closed"):
+            RingReader.attach(writer.handle, 1)
+    finally:
+        writer.close()
+        shm.unlink(writer.handle.name)
+
+
+def test_rings_left_at_other_doorbells_do_not_stop_a_wake_up():
+    """Sabotage: ring every doorbell through one shared non-blocking socket (the old
+    ``shm._ringer``): rings queued at idle doorbells fill its send buffer, the
+    wake-up of the sleeping reader fails with EAGAIN, taken as "already rung",
+    and the reader sleeps until its timeout."""
+    geo = RingGeometry(256, 4)
+    idle = []
+    writer = reader = None
+    try:
+        for _ in range(48):  # ends that never wait: each abort leaves a ring at two doorbells
+            w = RingWriter.create(1, geo)
+            idle.append(w)
+            idle.append(RingReader.attach(w.handle, 0))
+            for _ in range(12):  # more than a doorbell queues (net.unix.max_dgram_qlen, 10)
+                w.abort()
+        writer = RingWriter.create(1, geo)
+        reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 0, 600))
+        got = {}
+
+        def read():
+            frames = reader.recv(timeout=10)
+            got["at"], got["data"] = time.monotonic(), bytes(frames[0])
+
+        t = threading.Thread(target=read)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not reader._i[reader._flag] and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the reader sleeps on its doorbell
+        assert reader._i[reader._flag], "the reader never went to sleep"
+        sent = time.monotonic()
+        writer.send([b"wake"])
+        t.join(15)
+        assert got["data"] == b"wake" and got["at"] - sent < 2.0
+    finally:
+        for end in [*idle, reader, writer]:
+            if end is not None:
+                end.close()
+
+
 def test_reader_index_cannot_be_attached_twice():
     writer = RingWriter.create(2, RingGeometry(256, 4))
     reader = RingReader.attach(writer.handle, 1)
@@ -234,6 +337,89 @@ def test_segment_of_sigkilled_owner_is_swept():
         assert name not in zbus_segments()
     finally:
         end_process(proc)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait(10)
+    return proc.pid
+
+
+def _shm_file(name: str, uid: int | None = None) -> str:
+    path = os.path.join(shm.SHM_DIR, name)
+    with open(path, "wb"):
+        pass
+    if uid is not None:
+        os.chown(path, uid, -1)
+    return path
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's segment")
+def test_sweep_leaves_other_users_segments_alone_and_never_raises():
+    """Sabotage: drop the ``st_uid != uid`` skip in sweep_stale (root then removes
+    a stale file of uid 65533), or the OSError catch (the sweep run as nobody then
+    raises PermissionError on root's stale file in the sticky /dev/shm)."""
+    ns, dead = shm._pid_namespace(), _dead_pid()
+    theirs = _shm_file(f"zbus-{ns}-{dead}-1-900001", uid=65533)
+    ours = _shm_file(f"zbus-{ns}-{dead}-1-900002")
+    try:
+        pid = os.fork()
+        if pid == 0:  # the sweep as user nobody, in a forked child (no interpreter to exec)
+            code = 3
+            try:
+                os.setuid(65534)
+                shm.sweep_stale()
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported through the exit code
+                code = 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "sweep_stale raised as another user"
+        assert os.path.exists(ours)  # not nobody's to remove
+        assert os.path.basename(ours) in shm.sweep_stale()
+        assert os.path.exists(theirs) and not os.path.exists(ours)
+    finally:
+        for path in (theirs, ours):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_segment_named_without_a_start_time_is_kept_while_its_owner_lives():
+    """Sabotage: compare start times only in owner_alive (``_start_time(pid) ==
+    start``): "None" never equals a start time, so the live owner's segment goes."""
+    ns = shm._pid_namespace()
+    live = _shm_file(f"zbus-{ns}-{os.getpid()}-None-900003")
+    dead = _shm_file(f"zbus-{ns}-{_dead_pid()}-None-900004")
+    try:
+        removed = shm.sweep_stale()
+        assert os.path.basename(dead) in removed and os.path.basename(live) not in removed
+        assert os.path.exists(live)
+    finally:
+        for path in (live, dead):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_segment_whose_mapping_fails_is_unlinked():
+    """Sabotage: return ``cls(name, size, fd)`` in Segment.create without the
+    unlink on failure: the reserved segment stays in /dev/shm."""
+    code = """
+import resource, sys
+from zbus import shm
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + 2**24, resource.RLIM_INFINITY))
+try:
+    shm.Segment.create(2**28)  # reserved in /dev/shm, but no address space to map it
+except (OSError, MemoryError) as e:
+    print("refused", type(e).__name__)
+"""
+    before = zbus_segments()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    assert out.stdout.startswith("refused"), out.stdout + out.stderr
+    assert zbus_segments() - before == set()
 
 
 def test_creation_checks_free_space_and_says_how_much_is_needed():

@@ -51,6 +51,13 @@ class EchoWorker(zbus.Worker):
         time.sleep(seconds)
         return self.rank
 
+    def stubborn_sleep(self, seconds):
+        """Sleep deaf to SIGTERM, as a worker stuck in native code: it ends by SIGKILL,
+        without closing its rings."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(seconds)
+        return self.rank
+
     def die(self, rank=None, how="kill"):
         if rank is None or rank == self.rank:
             if how == "abort":

@@ -234,6 +234,10 @@ class NodeAgent:
                         self._relay([f.buffer for f in frames[1:]])
                     elif topic in PROBE_TOPICS:
                         self._on_probe(topic, self._decode(frames[1:]))
+                    elif topic == node_topic(self.node_id):
+                        msg = self._decode(frames[1:])
+                        if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
+                            raise ZbusError(f"the leader dropped this node: {str(msg[1:])[:200]}")
                     elif topic == TOPIC_HEARTBEAT:
                         msg = self._decode(frames[1:])
                         if msg == ["stopping"]:

@@ -7,8 +7,8 @@ every remote rank's replies, nodes -> leader). Followers open every connection.
 
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
 ring), ``H`` leader heartbeats, ``stopping`` and the final ``bye``, ``N<node id>``
-control for one node (welcome or reject), ``RP``/``HP`` probes. Messages on the
-PULL side are codec-encoded lists: ``["join", node_id, info]``,
+control for one node (welcome, reject, or dropped: welcomed, then silent too
+long), ``RP``/``HP`` probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
 ``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
 exitcode]``, ``["gap", node_rank, expected_seq, got_seq]``, ``["refused", node_id,
 reason]``, ``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
@@ -91,6 +91,14 @@ def _env(*names: str) -> str | None:
     return None
 
 
+def _pick(arg: Any, default: Any, *names: str) -> Any:
+    """The argument if given (not None), else the first set variable, else ``default``."""
+    if arg is not None:
+        return arg
+    value = _env(*names)
+    return default if value is None else value
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     """Where the leader is and how big the cluster is. Each field comes from the
@@ -106,13 +114,29 @@ class ClusterSettings:
     def resolve(cls, nnodes: int | None = None, nproc_per_node: int | None = None,
                 master_addr: str | None = None, master_port: int | None = None,
                 liveness_s: float | None = None) -> ClusterSettings:
-        return cls(
-            nnodes=int(nnodes or _env("ZBUS_NNODES", "LWS_GROUP_SIZE") or 1),
-            nproc_per_node=int(nproc_per_node or _env("ZBUS_NPROC_PER_NODE") or 1),
-            master_addr=master_addr or _env("ZBUS_MASTER_ADDR", "LWS_LEADER_ADDRESS") or "127.0.0.1",
-            master_port=int(master_port or _env("ZBUS_MASTER_PORT") or DEFAULT_MASTER_PORT),
-            liveness_s=float(liveness_s or _env("ZBUS_LIVENESS_S") or 10.0),
+        """Only None means "not given": an explicit 0 or "" is checked, never replaced
+        by a default. ``master_port`` 0 is refused: the followers must know it."""
+        s = cls(
+            nnodes=int(_pick(nnodes, 1, "ZBUS_NNODES", "LWS_GROUP_SIZE")),
+            nproc_per_node=int(_pick(nproc_per_node, 1, "ZBUS_NPROC_PER_NODE")),
+            master_addr=str(_pick(master_addr, "127.0.0.1", "ZBUS_MASTER_ADDR", "LWS_LEADER_ADDRESS")),
+            master_port=int(_pick(master_port, DEFAULT_MASTER_PORT, "ZBUS_MASTER_PORT")),
+            liveness_s=float(_pick(liveness_s, 10.0, "ZBUS_LIVENESS_S")),
         )
+        s._check()
+        return s
+
+    def _check(self) -> None:
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise ValueError(f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) "
+                             "must be at least 1")
+        if not self.master_addr:
+            raise ValueError("master_addr is empty")
+        if not 1 <= self.master_port <= 65534:  # the leader binds master_port and master_port + 1
+            raise ValueError(f"master_port {self.master_port} outside 1..65534: followers find the "
+                             "leader by this port, so it cannot be 0 (chosen at random)")
+        if not self.liveness_s > 0:
+            raise ValueError(f"liveness_s {self.liveness_s} must be positive")
 
     @property
     def heartbeat_s(self) -> float:
@@ -165,17 +189,45 @@ def _undecodable_reply(frames: list, error: Exception) -> list | None:
     return None
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for bind(0) and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _pair_free(host: str, port: int) -> bool:
+    with socket.socket() as a, socket.socket() as b:
+        try:
+            a.bind((host, port))
+            b.bind((host, port + 1))
+        except OSError:
+            return False
+    return True
+
+
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port p with p and p + 1 free on ``host`` now: for a leader on a machine of
-    its own (the local demo, tests). A cluster across hosts uses a fixed port."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
+    its own (the local demo, tests). A cluster across hosts uses a fixed port.
+
+    The pair is released until the leader binds it, so it is chosen outside the
+    kernel's ephemeral range: no bind(0) or outgoing connection takes it meanwhile."""
+    lo, hi = _ephemeral_range()
+    spans = [(s, e) for s, e in ((10000, lo - 2), (hi + 1, 65534)) if e - s > 1000]
+    rng = secrets.SystemRandom()
+    for _ in range(200 if spans else 0):
+        start, end = rng.choice(spans)
+        port = rng.randint(start, end)
+        if _pair_free(host, port):
+            return port
+    for _ in range(50):  # no room outside the ephemeral range: a port the kernel gives
+        with socket.socket() as a:
             a.bind((host, 0))
             port = a.getsockname()[1]
-            try:
-                b.bind((host, port + 1))
-            except OSError:
-                continue
+        if port < 65535 and _pair_free(host, port):
             return port
     raise OSError(f"no two consecutive free ports on {host}")
 
@@ -385,9 +437,31 @@ class Leader:
 
     def _welcome_ready(self) -> None:
         """Welcome the joins whose node topic subscription has arrived (the welcome
-        goes on that topic); probes then check the node's other subscriptions."""
+        goes on that topic); probes then check the node's other subscriptions. A
+        join for a rank that a node still being probed holds waits: that node may
+        have died (then it expires) or may answer (then this join is refused)."""
         for node_id in [n for n in self._joins if node_topic(n) in self._subscribed]:
-            self._welcome(node_id, self._joins.pop(node_id))
+            if not self._held_by_probing(self._joins[node_id].get("node_rank")):
+                self._welcome(node_id, self._joins.pop(node_id))
+
+    def _held_by_probing(self, rank: Any) -> bool:
+        probing = {n.node_rank for n in self._probing.values()}
+        if rank in (None, -1):  # any free rank: wait only if the probed nodes hold the last ones
+            taken = probing | set(self.nodes)
+            return bool(probing) and all(r in taken for r in range(1, self.settings.nnodes))
+        return type(rank) is int and rank in probing
+
+    def _expire_probing(self, now: float) -> None:
+        """Drop the nodes welcomed a liveness limit ago that never answered the
+        probes (stopped or crashed while joining), so their ranks are free again.
+        One that still runs is told, and leaves."""
+        for node_id, node in list(self._probing.items()):
+            if now - node.last_seen > self.settings.liveness_s:
+                del self._probing[node_id]
+                log.warning("node %s (rank %d) never answered the probes within %.1f s: dropped",
+                            node.host, node.node_rank, self.settings.liveness_s)
+                self._send(node_topic(node_id), ["dropped", "no answer to the probes in time"], 0.1)
+        self._welcome_ready()
 
     def _welcome(self, node_id: str, info: dict) -> None:
         s = self.settings
@@ -434,6 +508,7 @@ class Leader:
             self.nodes[node.node_rank] = node
             self.cond.notify_all()
         log.info("node %d joined: %s (%s)", node.node_rank, node.host, node.address)
+        self._welcome_ready()  # a join that waited for this rank is refused now
 
     def _probe(self) -> None:
         for node_id in self._probing:
@@ -527,6 +602,8 @@ class Leader:
                 log.warning("heartbeat not sent: a node is not taking messages")
             next_hb = time.monotonic() + s.heartbeat_s
             self._check_liveness(time.monotonic())
+            if not self.formed:
+                self._expire_probing(time.monotonic())
             touch_health()
         wait_ms = min(50, int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
         self._read_subscriptions()

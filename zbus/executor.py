@@ -702,6 +702,8 @@ class MultiprocExecutor(Executor):
         if not self._send_lock.acquire(timeout=-1 if deadline is None else remaining(deadline, method)):
             raise TimeoutError(f"collective_rpc({method!r}) timed out waiting to send")
         try:
+            if self._closed:  # shut down while this caller waited for the lock
+                raise ZbusError("executor is shut down")
             payload = codec.encode((tuple(args), kwargs or {})) if args or kwargs else [protocol.NO_ARGS]
             self._seq += 1
             frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,
@@ -791,7 +793,8 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Stop the workers (asked, then SIGTERM, then SIGKILL) and free every
-        segment. Idempotent; pending calls fail."""
+        segment. Idempotent; pending calls fail. Callers blocked in the API (other
+        threads) are woken and get ZbusError before anything they use is closed."""
         with self._state_lock:
             if self._closed:
                 return
@@ -803,29 +806,57 @@ class MultiprocExecutor(Executor):
             shm.unlink(self._bcast.handle.name)
         for h in self._resp_handles:
             shm.unlink(h.name)
+        sending = self._send_lock.acquire(timeout=1.0)
+        if not sending:  # a caller is blocked sending: cancel it, it raises ZbusError
+            self._failed.set()
+            sending = self._send_lock.acquire(timeout=5.0)
+        try:  # holding the send lock: no new call starts (callers re-check _closed)
+            self._stop_workers(sending)
+            self._wake_callers()
+            receiving = self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
+            try:
+                self._free()
+            finally:
+                if receiving:
+                    self._recv_lock.release()
+        finally:
+            if sending:
+                self._send_lock.release()
+
+    def _stop_workers(self, can_send: bool) -> None:
         workers = self._workers
-        if workers is not None:
-            workers.stopping = True
-            if self._leader is not None:  # the nodes still reachable stop cleanly too
-                self._leader.announce_stop()
-            if self._send_lock.acquire(timeout=1.0):
-                try:
-                    stop = codec.encode([protocol.STOP])
-                    if self._failure is None:
-                        self._publish(stop, deadline_of(1.0))
-                    elif self._leader is not None:
-                        self._leader.publish_remote(stop, deadline_of(1.0))
-                except (TimeoutError, RingClosed, Cancelled):
-                    pass
-                finally:
-                    self._send_lock.release()
-            workers.stop(grace=5.0 if self._failure is None else 0.5)
+        if workers is None:
+            return
+        workers.stopping = True
+        if self._leader is not None:  # the nodes still reachable stop cleanly too
+            self._leader.announce_stop()
+        if can_send:
+            try:
+                stop = codec.encode([protocol.STOP])
+                if self._failure is None:
+                    self._publish(stop, deadline_of(1.0))
+                elif self._leader is not None:
+                    self._leader.publish_remote(stop, deadline_of(1.0))
+            except (TimeoutError, RingClosed, Cancelled):
+                pass
+        workers.stop(grace=5.0 if self._failure is None else 0.5)
+
+    def _wake_callers(self) -> None:
+        """Fail the pending calls and wake every blocked wait: a send is cancelled,
+        a wait for a reply sees its queue aborted; both then raise ZbusError."""
         error = ZbusError("executor is shut down")
         for fut in list(self._pending):
             try:
                 fut.set_exception(self._failure or error)
             except concurrent.futures.InvalidStateError:
                 pass
+        self._failed.set()
+        for rx in self._receivers:
+            rx.abort()
+        if self._leader is not None:
+            self._leader.abort_receivers()
+
+    def _free(self) -> None:
         self._pending.clear()
         for rx in self._receivers:
             rx.close()

@@ -11,7 +11,9 @@ Layout (little-endian; each independently written word on its own cache line)::
                    token u64 (random: names the doorbells, known only to processes
                    that can open the segment)
     64             write_seq u64        chunks published so far (readers wait on it)
-    128            writer_waiting u32, state u32
+    128            writer_waiting u32, state u32 (only ever set to aborted, by
+                   anyone), closed u32 (set by the writer: a word of its own, so a
+                   close never overwrites a concurrent abort)
     192 + 64*r     read_seq[r] u64      chunks reader r has released (the writer waits on it)
                    reader_waiting[r] u32, detached[r] u32
     data           n_chunks * chunk_bytes, chunk s lives at (s % n_chunks)
@@ -51,11 +53,11 @@ from .errors import Cancelled, RingClosed, SendTimeout
 Buffer = Any  # bytes, bytearray, memoryview, or anything with the buffer protocol
 
 _MAGIC = int.from_bytes(b"ZBUSRNG1", "little")
-_OPEN, _CLOSED, _ABORTED = 0, 1, 2
+_ABORTED = 2  # the state word: 0 until aborted
 # u64 word indices
 _W_MAGIC, _W_CHUNK, _W_TOKEN, _W_WSEQ = 0, 2, 3, 8
 # u32 word indices
-_I_NREADERS, _I_NCHUNKS, _I_WWAIT, _I_STATE = 2, 3, 32, 33
+_I_NREADERS, _I_NCHUNKS, _I_WWAIT, _I_STATE, _I_CLOSED = 2, 3, 32, 33, 34
 _READER_BASE = 192
 
 
@@ -122,8 +124,9 @@ class _Ring:
         self._policy = policy or WaitPolicy.from_env()
         self.handle = RingHandle(seg.name, seg.size, self.n_readers, self.chunk_bytes, self.n_chunks)
         self._bell_prefix = f"zbus-{self._q[_W_TOKEN]:016x}/"
-        self._writer_bell = shm.bell_address(self._bell_prefix + "w")
-        self._reader_bells = [shm.bell_address(f"{self._bell_prefix}r{r}") for r in range(self.n_readers)]
+        self._writer_bell = shm.Ringer(shm.bell_address(self._bell_prefix + "w"))
+        self._reader_bells = [shm.Ringer(shm.bell_address(f"{self._bell_prefix}r{r}"))
+                              for r in range(self.n_readers)]
         self._bell: shm.Doorbell | None = None
 
     @property
@@ -144,10 +147,13 @@ class _Ring:
         shm.fence()
         self._wake_all()
 
+    def _ended(self) -> bool:
+        return bool(self._i[_I_CLOSED]) or self._i[_I_STATE] == _ABORTED
+
     def _wake_all(self) -> None:
-        shm.ring(self._writer_bell)
-        for address in self._reader_bells:
-            shm.ring(address)
+        self._writer_bell.ring()
+        for bell in self._reader_bells:
+            bell.ring()
 
     def _wait(self, ready: Callable[[], bool], flag: int, deadline: float | None, cancel: Any,
               what: str, on_full: Callable[[], None] | None = None) -> None:
@@ -191,6 +197,8 @@ class _Ring:
     def _close_mapping(self) -> None:
         if self._bell is not None:
             self._bell.close()
+        for bell in (self._writer_bell, *self._reader_bells):
+            bell.close()
         self._q.release()
         self._i.release()
         self._seg.close()
@@ -256,7 +264,7 @@ class RingWriter(_Ring):
         about to sleep on a full ring (the executor drains replies there). The
         frames are copied into shared memory before this returns.
         """
-        if self._i[_I_STATE] != _OPEN:
+        if self._ended():
             raise RingClosed(f"ring {self.name} is closed")
         views = [f if isinstance(f, memoryview) and f.format == "B" and f.ndim == 1
                  else memoryview(f).cast("B") for f in frames]
@@ -337,15 +345,14 @@ class RingWriter(_Ring):
         i = self._i
         for r, f in enumerate(self._reader_flags):
             if i[f]:
-                shm.ring(self._reader_bells[r])
+                self._reader_bells[r].ring()
 
     def close(self, unlink: bool = True) -> None:
         """Tell readers no more messages come (they drain, then get RingClosed),
         unmap, and remove the segment."""
         if self._seg._mmap is None:
             return
-        if self._i[_I_STATE] == _OPEN:
-            self._i[_I_STATE] = _CLOSED
+        self._i[_I_CLOSED] = 1  # never the state word: an abort there must stay
         shm.fence()
         self._wake_all()
         self._close_mapping()
@@ -367,10 +374,16 @@ class RingReader(_Ring):
 
     def __init__(self, seg: shm.Segment, policy: WaitPolicy | None, index: int = 0):
         super().__init__(seg, policy)
-        if self._q[_W_MAGIC] != _MAGIC:
-            raise RingClosed(f"segment {seg.name} is not a zbus ring")
-        self.index = index
         off = _reader_off(index)
+        # A detached reader's chunks are the writer's to overwrite at once, and a
+        # closed ring is being removed: attaching to either would read garbage.
+        why = ("is not a zbus ring" if self._q[_W_MAGIC] != _MAGIC else
+               f"has reader {index} detached" if self._i[off // 4 + 3] else
+               "is closed" if self._i[_I_CLOSED] else None)
+        if why:
+            self._close_mapping()
+            raise RingClosed(f"segment {seg.name} {why}")
+        self.index = index
         self._rseq_w = off // 8
         self._flag = off // 4 + 2
         self._detached = off // 4 + 3
@@ -396,7 +409,7 @@ class RingReader(_Ring):
         return self._chunk(self._pos)
 
     def _ready_or_closed(self) -> bool:
-        return self._has_data() or self._i[_I_STATE] != _OPEN
+        return self._has_data() or self._ended()
 
     def _release(self) -> None:
         shm.fence()  # our copy is complete before the writer may reuse the chunk
@@ -404,7 +417,7 @@ class RingReader(_Ring):
         self._q[self._rseq_w] = self._pos
         shm.fence()
         if self._i[_I_WWAIT]:
-            shm.ring(self._writer_bell)
+            self._writer_bell.ring()
 
     def recv(self, timeout: float | None = None, cancel: Any = None) -> list[memoryview]:
         """Receive the next message as a list of frames (views of one private buffer).
@@ -444,7 +457,7 @@ class RingReader(_Ring):
             return
         self._i[self._detached] = 1
         shm.fence()
-        shm.ring(self._writer_bell)
+        self._writer_bell.ring()
         self._close_mapping()
 
 

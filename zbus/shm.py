@@ -54,9 +54,21 @@ def new_name() -> str:
     return f"{PREFIX}{_pid_namespace()}-{pid}-{_start_time(pid)}-{next(_counter)}"
 
 
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it runs, as another user
+    return True
+
+
 def owner_alive(name: str) -> bool:
     """Whether the process that created segment ``name`` still runs. Segments of
-    another pid namespace count as alive: their owners cannot be seen from here."""
+    another pid namespace count as alive: their owners cannot be seen from here.
+    Without a start time (no /proc, in the name or now) the pid alone decides: a
+    reused pid keeps a stale segment, but a live owner never loses its own."""
     try:
         pidns, pid_s, start, _n = name[len(PREFIX):].split("-")
         pid = int(pid_s)
@@ -64,23 +76,34 @@ def owner_alive(name: str) -> bool:
         return True  # not ours to judge
     if pidns != _pid_namespace():
         return True
-    return _start_time(pid) == start
+    now = _start_time(pid)
+    if start == "None" or now is None:
+        return _pid_exists(pid)
+    return now == start
 
 
 def sweep_stale() -> list[str]:
-    """Unlink every zbus segment whose owner process is gone; return their names."""
+    """Unlink every zbus segment of ours (this uid) whose owner process is gone;
+    return their names. Other users' segments are theirs to sweep (/dev/shm is
+    sticky: unlinking them fails), and no error here may stop a start-up."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
+    uid = os.geteuid()
     for name in names:
-        if name.startswith(PREFIX) and not owner_alive(name):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != uid or owner_alive(name):
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError as e:
+            if not isinstance(e, FileNotFoundError):
+                log.debug("cannot sweep %s: %s", name, e)
     if removed:
         log.info("swept %d stale shared-memory segment(s): %s", len(removed), ", ".join(removed))
     return removed
@@ -120,7 +143,11 @@ class Segment:
             raise ShmSpaceError(
                 f"cannot reserve {size} bytes in {SHM_DIR} for {name}: {e.strerror}; "
                 "free space there or lower ZBUS_RING") from e
-        return cls(name, size, fd)
+        try:
+            return cls(name, size, fd)  # closes fd, mapped or not
+        except BaseException:
+            unlink(name)  # nobody else knows the name yet
+            raise
 
     @classmethod
     def attach(cls, name: str, size: int) -> Segment:
@@ -237,13 +264,33 @@ def bell_address(name: str) -> bytes:
     return b"\0" + name.encode()
 
 
-_ringer = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-_ringer.setblocking(False)
+class Ringer:
+    """Rings one doorbell, through a socket of its own. Each queued ring is charged
+    to its sender until read, so a socket shared by every doorbell fills with
+    rings left at other doorbells and then fails (EAGAIN) to ring an idle one,
+    whose waiter sleeps a full slice. Here EAGAIN means this doorbell's queue
+    still holds our rings: it is rung, and ignoring the error is right."""
 
+    def __init__(self, address: bytes):
+        self.address = address
+        self._sock: socket.socket | None = None
+        self._closed = False
 
-def ring(address: bytes) -> None:
-    """Ring a doorbell; a full queue (already rung) or a missing waiter is fine."""
-    try:
-        _ringer.sendto(b"!", address)
-    except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
-        pass
+    def ring(self) -> None:
+        """Ring; a full queue (already rung), a missing waiter or a closed end is fine."""
+        sock = self._sock
+        if sock is None:
+            if self._closed:
+                return
+            sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+        try:
+            sock.sendto(b"!", self.address)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed = True
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,47 @@
+"""Callers blocked in an executor's API while another thread shuts it down."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zbus
+from zbus import ring
+
+
+def _wait_for(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.01)
+
+
+def errors_of_callers_blocked_at_shutdown(ex: zbus.Executor) -> dict[str, BaseException | None]:
+    """Block three callers (one waiting for a reply of a worker that sleeps deaf
+    to SIGTERM, so nothing but the executor can wake the callers; one
+    sending into a full ring, one waiting behind it), shut ``ex`` down from this
+    thread, and return what each caller raised."""
+    errors: dict[str, BaseException | None] = {}
+
+    def call(name: str, *args, **kwargs) -> threading.Thread:
+        def run():
+            try:
+                ex.collective_rpc(*args, timeout=120, **kwargs)
+                errors[name] = None
+            except BaseException as e:  # noqa: BLE001 - the test checks the type
+                errors[name] = e
+        t = threading.Thread(target=run, name=name)
+        t.start()
+        return t
+
+    threads = [call("receiving", "stubborn_sleep", args=(60,))]
+    _wait_for(lambda: len(ex._pending) == 1, "sent the sleep")
+    big = bytes(3 * ex._bcast.ring.chunk_bytes * ex._bcast.ring.n_chunks)
+    threads.append(call("sending", "echo", args=(big,)))
+    _wait_for(lambda: ex._bcast.ring._i[ring._I_WWAIT] == 1, "blocked on the full ring")
+    threads.append(call("queued", "noop"))
+    ex.shutdown()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), f"caller {t.name} still blocked after shutdown"
+    return errors
