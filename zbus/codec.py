@@ -453,7 +453,7 @@ _FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}  # body size
 _EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # width of the body size
 _ONE_BYTE_ITEMS = re.compile(rb"[\x00-\x7f\xa0\xc0\xc2\xc3\xe0-\xff]+")
 _LEVELS = bytes([*range(0x80, 0xa0), *_LIST, *_FIXEXT, *_EXT])  # type bytes that open a level
-_EXT_CODES = frozenset({_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION})
+_EXT_CODES = frozenset({_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT})
 
 
 def _check_header(view: memoryview) -> None:
