@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -57,6 +58,37 @@ def test_non_blocking_futures_complete_in_issue_order(ex):
     assert futs[-1].result(timeout=30) == [1990, 1991]
     assert all(f.done() for f in futs)
     assert [f.result() for f in futs] == [[10 * i, 10 * i + 1] for i in range(200)]
+
+
+def test_non_blocking_futures_complete_by_themselves(ex):
+    """done(), add_done_callback, concurrent.futures.wait and asyncio.wrap_future
+    work with nobody calling result(). Sabotage: no completer (futures that finish
+    only inside result()) leaves every wait here to time out."""
+    fut = ex.collective_rpc("rank_value", args=(2,), non_block=True)
+    seen: list = []
+    fut.add_done_callback(lambda f: seen.append(f.result(0)))
+    done, _ = concurrent.futures.wait([fut], timeout=10)
+    assert done == {fut} and seen == [[20, 21]]
+
+    async def awaited():
+        return await asyncio.wrap_future(ex.collective_rpc("rank_value", args=(3,), non_block=True))
+    assert asyncio.run(asyncio.wait_for(awaited(), 10)) == [30, 31]
+    futs = [ex.collective_rpc("rank_value", args=(i,), non_block=True) for i in range(50)]
+    assert ex.collective_rpc("rank_value", args=(9,), timeout=10) == [90, 91]  # blocking, in between
+    assert not concurrent.futures.wait(futs, timeout=30).not_done
+    assert [f.result(0) for f in futs] == [[10 * i, 10 * i + 1] for i in range(50)]
+
+
+def test_callables_travel_by_import_path_and_code_never_does(ex):
+    """Sabotage: a lambda that is pickled, or refused with a vague message."""
+    assert ex.collective_rpc(workers.add_rank, args=(1,), kwargs={"y": 2}) == [3, 4]
+    with pytest.raises(TypeError, match="never sends code.*module level"):
+        ex.collective_rpc(lambda w: 1)
+
+    def local(worker):
+        return 1
+    with pytest.raises(TypeError, match="lambda, closure"):
+        ex.collective_rpc(local)
 
 
 def test_async_results_come_in_order_without_blocking_the_next_call(ex):
@@ -157,6 +189,21 @@ def test_worker_sigkill_mid_call_fails_pending_and_later_calls():
     finally:
         ex.shutdown()
     assert not ex._workers.alive()
+
+
+def test_background_futures_fail_with_the_executor():
+    """A worker death fails a pending non-blocking call's future by itself.
+    Sabotage: a failure that leaves pending futures undone (the loop over them in
+    ``_on_failure`` removed) makes the wait time out."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    try:
+        pid = ex.collective_rpc("whoami")[1]["pid"]
+        fut = ex.collective_rpc("sleep", args=(60,), non_block=True)
+        os.kill(pid, signal.SIGKILL)
+        assert not concurrent.futures.wait([fut], timeout=10).not_done
+        assert isinstance(fut.exception(0), zbus.WorkerDiedError)
+    finally:
+        ex.shutdown()
 
 
 def test_worker_abort_is_reported():

@@ -526,6 +526,7 @@ class Completer:
                 if not isinstance(e, ExecutorFailedError):
                     e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
                 ex._fail(e)
+                return  # every pending future now holds the error (see _on_failure)
             finally:
                 ex._recv_lock.release()
 
