@@ -72,6 +72,151 @@ class Engine:
         end_process(self.proc, 30)
 
 
+# --- the wire: vLLM's types as typed msgpack -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wire():
+    from zbus.vllm import wire
+
+    wire.load_wire_modules()
+    return wire
+
+
+def round_trip(obj):
+    from zbus import codec
+
+    return codec.decode(codec.encode(obj))
+
+
+def scheduler_output():
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    new = NewRequestData(req_id="r1", prompt_token_ids=[5, 6, 7], mm_features=[],
+                         sampling_params=SamplingParams(temperature=0, max_tokens=4, seed=3),
+                         pooling_params=None, block_ids=([0, 1],), num_computed_tokens=0, lora_request=None)
+    cached = CachedRequestData.make_empty()
+    cached.req_ids.append("r0")
+    cached.resumed_req_ids.add("r0")
+    cached.new_token_ids.append([9])
+    cached.new_block_ids.append(None)
+    cached.num_computed_tokens.append(12)
+    cached.num_output_tokens.append(2)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs.append(new)
+    out.scheduled_cached_reqs = cached
+    out.num_scheduled_tokens.update({"r1": 3, "r0": 1})
+    out.total_num_scheduled_tokens = 4
+    out.finished_req_ids.add("r9")
+    return out
+
+
+def test_a_scheduler_output_arrives_whole_and_typed(wire):
+    """Sabotage: a family that drops the instance dict, or turns sets into lists,
+    makes the objects differ."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    sent = scheduler_output()
+    got = round_trip(sent)
+    assert type(got) is SchedulerOutput and got == sent
+    assert type(got.finished_req_ids) is set and type(got.scheduled_cached_reqs.resumed_req_ids) is set
+    assert got.scheduled_new_reqs[0].sampling_params == sent.scheduled_new_reqs[0].sampling_params
+    assert got.scheduled_new_reqs[0].block_ids == ([0, 1],)
+
+
+def test_model_runner_and_grammar_outputs_round_trip(wire):
+    import numpy as np
+    from vllm.v1.core.sched.output import GrammarOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1},
+                            sampled_token_ids=[[1], [2, 3]])
+    assert round_trip(out) == out
+    grammar = GrammarOutput(["a"], np.arange(8, dtype=np.int32).reshape(2, 4))
+    got = round_trip(grammar)
+    assert type(got) is GrammarOutput and (got.grammar_bitmask == grammar.grammar_bitmask).all()
+
+
+def test_the_engine_configuration_round_trips(wire):
+    """The VllmConfig that reaches a worker describes the same engine."""
+    from vllm import EngineArgs
+
+    from vllm_driver import tiny_model
+
+    config = EngineArgs(model=tiny_model(), load_format="dummy", skip_tokenizer_init=True,
+                        tensor_parallel_size=2, enforce_eager=True,
+                        max_model_len=256).create_engine_config()
+    got = round_trip(config)
+    assert type(got) is type(config) and str(got) == str(config)
+    assert got.model_config.hf_config.to_dict() == config.model_config.hf_config.to_dict()
+    assert got.model_config.dtype == config.model_config.dtype
+    assert got.parallel_config.tensor_parallel_size == 2
+
+
+def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
+    """Code never travels, and a name is looked up, never imported. Sabotage: a
+    build that imports the module a name gives."""
+    import msgpack
+
+    from zbus import codec
+    from zbus.errors import CodecError
+
+    from vllm.v1.core.sched.output import KVConnectorBlockState
+
+    out = scheduler_output()
+    out.kv_connector_block_state = KVConnectorBlockState(
+        req_ids={"r1"}, resolve_block_ids=lambda req: ([],), boundary_state_offloads={})
+    with pytest.raises(CodecError, match="cannot encode builtins.function"):
+        codec.encode(out)
+    def decode(name):
+        body = msgpack.packb([f"vllm:{name}", {}])
+        return codec.decode([msgpack.packb(msgpack.ExtType(7, body))])
+
+    assert "vllm.collect_env" not in sys.modules  # a real module of vLLM, not loaded
+    for name in ("vllm.collect_env:SystemEnv", "vllm.zbus_never_loaded:Thing"):
+        with pytest.raises(CodecError, match="not one of vLLM's loaded types"):
+            decode(name)
+    assert "vllm.collect_env" not in sys.modules
+    with pytest.raises(CodecError, match="not a data type of vLLM"):
+        decode("vllm.config:get_current_vllm_config")
+    with pytest.raises(CodecError, match="refused"):
+        decode("vllm.config:VllmConfig.__init__")
+    with pytest.raises(CodecError, match="not one of vLLM's"):
+        decode("os:system")
+    with pytest.raises(CodecError, match="transformers' table"):
+        decode("transformers.models.llama.configuration_llama:LlamaConfig")  # no model_type
+
+
+def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
+    """Sabotage: no check of what a remote configuration names (worker class,
+    extension, remote code)."""
+    from types import SimpleNamespace as NS
+
+    from zbus.errors import ZbusError
+    from zbus.vllm.worker import check_remote_config
+
+    def config(**over):
+        pc = NS(worker_cls="vllm.v1.worker.cpu_worker.CPUWorker", worker_extension_cls="")
+        mc = NS(logits_processors=None, trust_remote_code=False, model="/m")
+        for key, value in over.items():
+            setattr(pc if key.startswith("worker") else mc, key, value)
+        return NS(parallel_config=pc, model_config=mc, kv_transfer_config=None)
+
+    check_remote_config(config(), set())
+    for bad, match in ((dict(worker_cls="os.system"), "worker class"),
+                       (dict(worker_extension_cls="evil.Ext"), "extension"),
+                       (dict(logits_processors=["evil.lp"]), "logits"),
+                       (dict(trust_remote_code=True), "remote code")):
+        with pytest.raises(ZbusError, match=match):
+            check_remote_config(config(**bad), set())
+    check_remote_config(config(worker_cls="mine.Worker", trust_remote_code=True),
+                        {"mine", "trust_remote_code"})
+
+
+# --- the engine ------------------------------------------------------------------
+
+
 def generate(backend: str, *args: str, tmp_path, **kwargs) -> dict:
     with open(tmp_path / f"{backend.replace('.', '_')}.log", "w") as log:
         engine = Engine(backend, *args, log=log, **kwargs)
