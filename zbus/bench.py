@@ -10,7 +10,8 @@ collective_rpc, 1/2/4 workers, vs multiprocessing pipes, with CPU per call),
 ``payload`` (bytes and tensors 1 KiB..64 MiB to 2 workers, vs pyzmq ipc and
 memcpy), ``nodes`` (2 and 3 nodes, relay vs direct fan-out, vs pyzmq TCP
 request/reply, leader egress), ``curve`` (CurveZMQ vs no keys), ``idle`` (CPU of
-an idle worker, wake-up after idle), ``import`` (``import zbus`` time).
+an idle worker, wake-up after idle), ``import`` (``import zbus`` time), ``vllm``
+(vLLM's decode step on zbus vs vLLM's own executor, one node and two hosts).
 """
 
 from __future__ import annotations
@@ -497,6 +498,47 @@ def _run_nodes(nnodes: int, seconds: float, use_netns: bool) -> list[Row]:
         return _parse_rows(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
 
 
+VLLM_PORT = 29700  # vLLM's own multi-node rendezvous in the two-host run
+
+
+def bench_vllm(seconds: float) -> list[Row]:
+    """vLLM's decode step on zbus beside vLLM's own executor (zbus.vllm.bench): TP=2
+    on this node, then over two namespace hosts against vLLM's multi-node mp."""
+    from . import netns
+
+    rows = _parse_rows(subprocess.run([sys.executable, "-m", "zbus.vllm.bench", "one", "--seconds",
+                                       str(seconds)], capture_output=True, text=True, timeout=1800))
+    why = netns.unavailable()
+    if why:
+        print(f"vllm: no two-host run: {why}", file=sys.stderr)
+        return rows
+    return rows + bench_vllm_hosts(seconds)
+
+
+def bench_vllm_hosts(seconds: float) -> list[Row]:
+    """TP=2 over two namespace hosts, one worker each: zbus (the other host runs
+    ``zbus follower``) beside vLLM's multi-node mp (its headless follower)."""
+    from . import netns
+    from .vllm.bench import headless_follower, tiny_model
+
+    with netns.NetnsCluster(2) as c:
+        leader, host = c.nodes
+        model = tiny_model()
+        keys = {"ZBUS_SECRET": "zbus-bench-vllm-two-hosts", "ZBUS_NODE_RANK": "1"}
+        host.start([os.path.join(os.path.dirname(sys.executable), "zbus"), "follower", "--master-addr",
+                    leader.address, "--nproc-per-node", "1", "--allow-import-calls"],
+                   env={"VLLM_HOST_IP": host.address, **keys})
+        host.start(headless_follower(model, leader.address, VLLM_PORT), env={"VLLM_HOST_IP": host.address},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = leader.python("-m", "zbus.vllm.bench", "two", "--seconds", str(seconds), "--iface", "eth0",
+                             "--master-addr", leader.address, "--port", str(VLLM_PORT),
+                             env={"ZBUS_NNODES": "2", "ZBUS_MASTER_ADDR": leader.address,
+                                  "ZBUS_BENCH_MODEL": model, "VLLM_HOST_IP": leader.address, **keys},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate(timeout=1800)
+        return _parse_rows(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+
+
 def bench_curve(seconds: float) -> list[Row]:
     """The cost of CurveZMQ: two 2-node clusters on loopback, one keyed, one not,
     measured in alternating blocks: no-op and 16 MiB round trips."""
@@ -556,9 +598,10 @@ def _size(n: int) -> str:
 SCENARIOS: dict[str, Callable[[float], list[Row]]] = {
     "ring": bench_ring, "rpc": bench_rpc, "payload": bench_payload, "nodes": bench_nodes,
     "curve": bench_curve, "idle": bench_idle,
-    "import": lambda seconds: bench_import(), "compare": bench_compare,
+    "import": lambda seconds: bench_import(), "compare": bench_compare, "vllm": bench_vllm,
 }
-DEFAULT_SCENARIOS = [name for name in SCENARIOS if name != "compare"]  # compare: with --compare
+# compare: with --compare; vllm: by name, in a venv with vLLM (make bench-vllm)
+DEFAULT_SCENARIOS = [name for name in SCENARIOS if name not in ("compare", "vllm")]
 
 
 def _size_of(case: str) -> int | None:

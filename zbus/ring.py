@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Sequence
 
 from . import shm
@@ -128,6 +128,11 @@ class _Ring:
         self._reader_bells = [shm.Ringer(shm.bell_address(f"{self._bell_prefix}r{r}"))
                               for r in range(self.n_readers)]
         self._bell: shm.Doorbell | None = None
+
+    def keep_polling(self, seconds: float) -> None:
+        """After each message, poll (yielding the core) this long before sleeping:
+        for callers whose next message comes within that time (an engine's steps)."""
+        self._policy = replace(self._policy, yield_s=seconds)
 
     @property
     def name(self) -> str:

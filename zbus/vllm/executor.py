@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 from typing import Any, Callable
 
+from vllm.utils.torch_utils import set_torch_threads_for_runtime
 from vllm.v1.executor.abstract import Executor as VllmExecutor
 
 from .. import Executor
 from ..cluster import ClusterSettings
 from ..errors import ZbusError
 from .wire import load_wire_modules
-from .worker import remove_cpu_shm
+from .worker import POLL_BETWEEN_STEPS_S, remove_cpu_shm
 
 log = logging.getLogger(__name__)
 WORKER = "zbus.vllm.worker:VllmWorker"
@@ -37,6 +39,8 @@ class ZbusExecutor(VllmExecutor):
         self.output_rank = self.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
         self._failure_callback: Callable[[], None] | None = None
         self._failed = False
+        # The engine waits for each step's reply as the workers wait for the step.
+        os.environ.setdefault("ZBUS_YIELD_US", str(int(POLL_BETWEEN_STEPS_S * 1e6)))
         self._zbus = Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
                               output_rank=self.output_rank)
         try:
@@ -44,6 +48,7 @@ class ZbusExecutor(VllmExecutor):
             self.collective_rpc("init_worker", args=(self.vllm_config,))
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
+            set_torch_threads_for_runtime()  # as vLLM's own: this process only schedules
         except BaseException:
             self._zbus.shutdown()
             raise

@@ -21,8 +21,15 @@ load_wire_modules()
 ALLOW_ENV = "ZBUS_VLLM_ALLOW"
 
 
+# A decode step comes every few milliseconds: between steps a worker polls its ring
+# (yielding the core) instead of sleeping, as vLLM's own workers spin for 1 s.
+POLL_BETWEEN_STEPS_S = 0.01
+
+
 class VllmWorker(Worker):
     """One vLLM worker. Every vLLM worker method is callable by name."""
+
+    poll_after_call_s = POLL_BETWEEN_STEPS_S
 
     def __init__(self) -> None:
         from vllm.v1.worker.worker_base import WorkerWrapperBase
@@ -39,6 +46,7 @@ class VllmWorker(Worker):
             check_remote_config(vllm_config, allowed())
         if "VLLM_HOST_IP" not in os.environ:  # vLLM's own guess needs a route to the internet
             os.environ["VLLM_HOST_IP"] = route_to(resolve_ip(os.environ["MASTER_ADDR"]))[0]
+        bind_cpus(vllm_config, self.local_rank)
         tp = vllm_config.parallel_config.tensor_parallel_size
         kwargs: list[dict] = [{} for _ in range(self.world_size)]
         kwargs[self.rank] = {
@@ -73,6 +81,25 @@ class VllmWorker(Worker):
         if name.startswith("_") or name == "wrapper":
             raise AttributeError(name)
         return getattr(self.wrapper, name)
+
+
+def bind_cpus(vllm_config: Any, local_rank: int) -> None:
+    """On vLLM's CPU platform, pin this worker to the cores vLLM's own executor
+    would give it (``VLLM_CPU_OMP_THREADS_BIND``), before torch starts its threads:
+    vLLM sets that up in the parent, per child, which zbus workers do not have."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import torch
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    plan = OMPProcessManager(vllm_config)
+    if plan.skip_setup or local_rank >= len(plan.cpu_lists):
+        return
+    cpus = plan.cpu_lists[local_rank]
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
 
 
 def remove_cpu_shm(port: int | str, node_rank: int) -> None:
