@@ -192,3 +192,45 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
         ctx.destroy(linger=0)
         if proc is not None:
             end_process(proc)
+
+
+def good_welcome(**changes):
+    welcome = {"node_rank": 1, "nnodes": 2, "nproc_per_node": 2, "master_addr": "10.0.0.1",
+               "liveness_s": 10.0, "reply_address": "tcp://10.0.0.1:29651", "torch_port": 29700,
+               "spec": {"worker": "zbus.demo:DemoWorker", "kwargs": {}}, "env": {"OMP_NUM_THREADS": "1"}}
+    welcome.update(changes)
+    return welcome
+
+
+@pytest.mark.parametrize("changes,why", [
+    ({"nproc_per_node": 10000}, "nproc_per_node"), ({"nproc_per_node": 2.0}, "nproc_per_node"),
+    ({"liveness_s": 1e12}, "liveness_s"), ({"liveness_s": 0.01}, "liveness_s"),
+    ({"liveness_s": float("nan")}, "liveness_s"), ({"node_rank": 3}, "node_rank"),
+    ({"nnodes": 10**9}, "nnodes"), ({"torch_port": 0}, "torch_port"),
+    ({"master_addr": "x" * 5000}, "master_addr"), ({"reply_address": "ipc:///tmp/x"}, "reply_address"),
+    ({"spec": {"worker": None}}, "spec"), ({"env": {"A": "x" * 100000}}, "env"),
+    ({"env": {str(i): "" for i in range(2000)}}, "env")])
+def test_a_follower_checks_every_welcome_field(changes, why):
+    """Sabotage: make check_welcome return None (the old code checked nothing)."""
+    from zbus.agent import check_welcome
+
+    assert check_welcome(good_welcome(), nproc=2, node_rank=1) is None
+    assert check_welcome(good_welcome(), nproc=2, node_rank=None) is None
+    assert why in check_welcome(good_welcome(**changes), nproc=2, node_rank=1)
+    assert "node_rank" in check_welcome(good_welcome(node_rank=2, nnodes=3), nproc=2, node_rank=1)
+
+
+def test_a_follower_refuses_a_welcome_that_turns_off_leader_loss_detection():
+    """A leader (or one posing as it) welcomes with liveness_s=1000: the follower
+    refuses, says why, and the leader's start-up fails naming it.
+    Sabotage: skip the check_welcome call in NodeAgent._start_workers."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with pytest.raises(zbus.StartupError, match="refused .*liveness_s 1000"):
+            zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                          master_port=port, liveness_s=1000.0, join_timeout=60)
+        assert proc.wait(30) == 1
+        assert "liveness_s 1000" in proc.stderr.read()
+    finally:
+        end_process(proc)

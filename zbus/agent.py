@@ -29,6 +29,7 @@ from .cluster import (
     TOPIC_RPC,
     ClusterSettings,
     _bracket,
+    brief,
     new_node_id,
     node_topic,
     resolve_ip,
@@ -48,6 +49,49 @@ BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BY
 BACKLOG_BYTES = 256 * 2**20  # while the ring is full
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
 RISKY_ENV = ("LD_", "DYLD_", "PYTHON", "ZBUS_")
+LIVENESS_RANGE_S = (0.5, 600.0)  # a welcome's liveness limit must lie in here
+MAX_NNODES = 4096
+MAX_TEXT = 1024  # longest address or worker path a welcome may carry
+MAX_ENV = 1024  # most env= variables, each name and value at most MAX_TEXT and 64 KiB
+
+
+def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None:
+    """Why this node must not start what ``welcome`` asks, or None. A welcome comes
+    from the leader, which without keys anyone can pose as: every field must agree
+    with this node's own settings (its worker count, its rank when it has one) or
+    lie within sane bounds (the liveness limit: no heartbeat may be waited for
+    forever)."""
+    w = welcome if isinstance(welcome, dict) else {}
+
+    def is_int(key: str, lo: int, hi: int) -> bool:
+        return type(w.get(key)) is int and lo <= w[key] <= hi
+
+    def is_text(value: Any) -> bool:
+        return type(value) is str and 0 < len(value) <= MAX_TEXT
+
+    if w.get("nproc_per_node") != nproc or type(w.get("nproc_per_node")) is not int:
+        return f"nproc_per_node {brief(w.get('nproc_per_node'))} is not this node's {nproc}"
+    if not is_int("nnodes", 2, MAX_NNODES):
+        return f"nnodes {brief(w.get('nnodes'))} outside 2..{MAX_NNODES}"
+    if not is_int("node_rank", 1, w["nnodes"] - 1) or node_rank not in (None, w["node_rank"]):
+        return f"node_rank {brief(w.get('node_rank'))} is not this node's ({node_rank}) or out of range"
+    lo, hi = LIVENESS_RANGE_S
+    if type(w.get("liveness_s")) not in (int, float) or not lo <= w["liveness_s"] <= hi:
+        return f"liveness_s {brief(w.get('liveness_s'))} outside {lo}..{hi} s"
+    if not is_int("torch_port", 1, 65535):
+        return f"torch_port {brief(w.get('torch_port'))} outside 1..65535"
+    if not is_text(w.get("master_addr")):
+        return "master_addr is not a short string"
+    if not is_text(w.get("reply_address")) or not w["reply_address"].startswith("tcp://"):
+        return f"reply_address {brief(w.get('reply_address'))} is not a tcp:// address"
+    spec = w.get("spec")
+    if not isinstance(spec, dict) or not is_text(spec.get("worker")):
+        return "spec names no worker class"
+    env = w.get("env", {})
+    if not isinstance(env, dict) or len(env) > MAX_ENV or not all(
+            is_text(k) and type(v) is str and len(v) <= 65536 for k, v in env.items()):
+        return f"env is not at most {MAX_ENV} short string variables"
+    return None
 
 
 class LeaderLost(ZbusError):
@@ -165,7 +209,16 @@ class NodeAgent:
         raise ZbusError(f"no leader answered at {self.settings.master_addr}:{self.settings.master_port} "
                         f"within {self.join_timeout} s")
 
+    def _refuse(self, reason: str) -> None:
+        """Tell the leader why this node will not start (it fails start-up naming
+        us), and leave."""
+        self._send(["refused", self.node_id, reason], timeout=1.0)
+        raise ZbusError(reason)
+
     def _start_workers(self, welcome: dict) -> None:
+        problem = check_welcome(welcome, self.settings.nproc_per_node, self.node_rank)
+        if problem is not None:
+            self._refuse(f"refused the leader's welcome: {problem}")
         n = welcome["nproc_per_node"]
         self.node_rank = welcome["node_rank"]
         self.liveness_s = welcome["liveness_s"]
@@ -199,8 +252,7 @@ class NodeAgent:
                       "leader may only start the classes allowed with --allow-worker "
                       f"(now: {', '.join(self.allowed_workers)}); or trust the leader with keys "
                       "(zbus keygen)")
-            self._send(["refused", self.node_id, reason], timeout=1.0)
-            raise ZbusError(reason)
+            self._refuse(reason)
 
     def _worker_env(self, env: dict) -> dict:
         """The driver's env for this node's workers; from an unauthenticated leader
