@@ -48,7 +48,18 @@ log = logging.getLogger(__name__)
 BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BYTES)
 BACKLOG_BYTES = 256 * 2**20  # while the ring is full
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
-RISKY_ENV = ("LD_", "DYLD_", "PYTHON", "ZBUS_")
+# env= from an unauthenticated leader: only tuning knobs pass (an allow-list), and
+# none whose name suggests a path, plugin, file, proxy or download source.
+SAFE_ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "VLLM_", "ZBUS_TEST_")
+SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM",)
+UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CONF", "CACHE", "ENDPOINT",
+                    "URL", "PROXY", "MODULE", "PRELOAD", "CMD", "EXEC", "SCRIPT")
+
+
+def safe_env_name(name: str) -> bool:
+    """Whether an unauthenticated leader may set ``name`` in this node's workers."""
+    allowed = name in SAFE_ENV_NAMES or name.startswith(SAFE_ENV_PREFIXES)
+    return allowed and not any(word in name for word in UNSAFE_ENV_WORDS)
 LIVENESS_RANGE_S = (0.5, 600.0)  # a welcome's liveness limit must lie in here
 MAX_NNODES = 4096
 MAX_TEXT = 1024  # longest address or worker path a welcome may carry
@@ -259,7 +270,7 @@ class NodeAgent:
         without the variables that change what a process loads or runs."""
         env = {str(k): str(v) for k, v in env.items()}
         if self.curve is None:
-            risky = [k for k in env if k.startswith(RISKY_ENV) or k == "PATH"]
+            risky = [k for k in env if not safe_env_name(k)]
             for k in risky:
                 del env[k]
             if risky:
