@@ -36,7 +36,7 @@ from .cluster import (
     route_to,
     touch_health,
 )
-from .curve import NodeCurve, curve_dir_from_env
+from .curve import NodeCurve, curve_dir_from_env, secret_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .executor import LocalWorkers
 from .queues import send_frames
@@ -116,7 +116,8 @@ class NodeAgent:
                  nproc_per_node: int | None = None, node_rank: int | None = None,
                  advertise_addr: str | None = None, join_timeout: float = 300.0,
                  allow_import_calls: bool = False, curve_dir: str | None = None,
-                 allowed_workers: tuple[str, ...] | None = None):
+                 allowed_workers: tuple[str, ...] | None = None, secret: bytes | str | None = None,
+                 secret_file: str | None = None):
         self.settings = ClusterSettings.resolve(None, nproc_per_node, master_addr, master_port)
         env_rank = os.environ.get("ZBUS_NODE_RANK") or os.environ.get("LWS_WORKER_INDEX")
         self.node_rank = node_rank if node_rank is not None else (int(env_rank) if env_rank else None)
@@ -125,8 +126,9 @@ class NodeAgent:
         self.allow_import_calls = allow_import_calls
         env_allowed = tuple(p for p in os.environ.get("ZBUS_ALLOW_WORKERS", "").split(",") if p)
         self.allowed_workers = DEFAULT_ALLOWED_WORKERS + tuple(allowed_workers or ()) + env_allowed
-        self.curve_dir = curve_dir_from_env(curve_dir)
-        self.curve = NodeCurve(self.curve_dir) if self.curve_dir else None
+        explicit_dir = curve_dir and not (secret or secret_file)  # an argument beats ZBUS_SECRET
+        self.curve = self._keys(curve_dir_from_env(curve_dir),
+                                None if explicit_dir else secret_from_env(secret, secret_file))
         self.node_id = new_node_id()
         self.ctx = zmq.Context()
         self.sub: zmq.Socket | None = None
@@ -142,6 +144,18 @@ class NodeAgent:
         self._last_leader = time.monotonic()
         self._next_hb = 0.0
         self.liveness_s = self.settings.liveness_s
+
+    def _keys(self, curve_dir: str | None, secret: bytes | None) -> NodeCurve | None:
+        """This node's key pair: from the cluster secret (derived for this node's
+        rank, which it must then know) or from a key folder; None without keys."""
+        if secret and curve_dir:
+            raise ZbusError("give a cluster secret or a key folder (--curve-dir), not both")
+        if secret:
+            if self.node_rank is None:
+                raise ZbusError("with a cluster secret this node needs its rank (--node-rank, "
+                                "ZBUS_NODE_RANK): its key is derived for that rank")
+            return NodeCurve.from_secret(secret, self.node_rank)
+        return NodeCurve.from_dir(curve_dir) if curve_dir else None
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -244,7 +258,8 @@ class NodeAgent:
         self._check_worker(spec.get("worker"))
         env = self._worker_env(welcome.get("env") or {})  # the driver's Executor(env=...)
         self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
-                                    [{"push": welcome["reply_address"], "curve_dir": self.curve_dir}] * n,
+                                    [{"push": welcome["reply_address"],
+                                      "curve": self.curve.to_dict() if self.curve else None}] * n,
                                     [self.ring.name],
                                     welcome["master_addr"], welcome["torch_port"], env, self._on_death)
         self.ring.send(codec.encode(spec), timeout=30)
