@@ -337,3 +337,56 @@ def test_a_node_with_another_secret_is_refused_at_the_handshake(tmp_path, monkey
         assert any("failed the CurveZMQ handshake" in r.getMessage() for r in caplog.records)
     finally:
         end_process(stranger, timeout=1)
+
+
+def non_loopback_ip() -> str | None:
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+def test_check_exposure_refuses_an_unkeyed_leader_off_loopback(caplog):
+    """Sabotage: make check_exposure return at once."""
+    from zbus.cluster import check_exposure
+
+    for ip in ("127.0.0.1", "::1"):
+        check_exposure(ip, keyed=False, insecure=False)
+    check_exposure("10.0.0.1", keyed=True, insecure=False)
+    with pytest.raises(zbus.ZbusError, match="without keys.*ZBUS_SECRET.*ZBUS_INSECURE=1"):
+        check_exposure("10.0.0.1", keyed=False, insecure=False)
+    with caplog.at_level(logging.WARNING, logger="zbus.cluster"):
+        check_exposure("10.0.0.1", keyed=False, insecure=True)
+    assert any("insecure" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unkeyed_leader_on_a_non_loopback_address_starts_only_when_insecure(monkeypatch, caplog):
+    """Refused at once without keys; ZBUS_INSECURE=1 lets it lead, with a warning.
+    Sabotage: remove the check_exposure call from Leader.__init__."""
+    ip = non_loopback_ip()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address here")
+    monkeypatch.delenv("ZBUS_SECRET", raising=False)
+    monkeypatch.delenv("ZBUS_INSECURE", raising=False)
+    port = free_port_pair(ip)
+    t0 = time.monotonic()
+    with pytest.raises(zbus.ZbusError, match="without keys"):
+        zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr=ip, master_port=port,
+                      join_timeout=30)
+    assert time.monotonic() - t0 < 10  # at start, not after the join timeout
+    monkeypatch.setenv("ZBUS_INSECURE", "1")
+    proc = follower(port, "--node-rank", "1", "--master-addr", ip)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zbus.cluster"):
+            with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr=ip,
+                               master_port=port, join_timeout=60) as ex:
+                assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+        assert any("insecure: leading nodes" in r.getMessage() for r in caplog.records)
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)

@@ -321,12 +321,13 @@ class Leader:
     def __init__(self, settings: ClusterSettings, broadcaster_factory: Callable[..., Broadcaster],
                  on_failure: Callable[[Exception], None], curve_dir: str | None = None,
                  metrics: Metrics | None = None, status: Callable[[], dict] | None = None,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, insecure: bool = False):
         self.settings = settings
         self.ctx = zmq.Context()
         self.curve: LeaderCurve | None = None
         try:
             self.bind_ip = resolve_ip(settings.master_addr)
+            check_exposure(self.bind_ip, bool(secret or curve_dir), insecure)
             if secret:
                 self.curve = LeaderCurve.from_secret(self.ctx, secret, settings.nnodes)
             elif curve_dir:
@@ -838,6 +839,22 @@ class Leader:
         if self.curve is not None:
             self.curve.close()
         self.ctx.term()
+
+
+def check_exposure(bind_ip: str, keyed: bool, insecure: bool) -> None:
+    """A leader without keys on an address other hosts reach lets anyone join as a
+    node or pose as one: refuse it unless asked for (``insecure``)."""
+    import ipaddress
+
+    if keyed or ipaddress.ip_address(bind_ip.split("%")[0]).is_loopback:
+        return
+    if not insecure:
+        raise ZbusError(f"refusing to lead nodes on {bind_ip} without keys: set ZBUS_SECRET (or "
+                        "curve_dir=) to authenticate them, or ZBUS_INSECURE=1 / insecure=True to run "
+                        "without (see docs/security.md)")
+    log.warning("insecure: leading nodes on %s without keys: anyone who reaches its ports can join as "
+                "a node, read every call and forge replies, and anyone posing as this leader can "
+                "start the allowed worker classes on the followers", bind_ip)
 
 
 def _bracket(host: str) -> str:

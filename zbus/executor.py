@@ -541,7 +541,7 @@ class MultiprocExecutor(Executor):
                  nproc_per_node: int | None = None, master_addr: str | None = None,
                  master_port: int | None = None, liveness_s: float | None = None,
                  join_timeout: float = 300.0, curve_dir: str | None = None,
-                 secret: bytes | str | None = None,
+                 secret: bytes | str | None = None, insecure: bool | None = None,
                  metrics_port: int | None = None,
                  on_join: Callable[[int, int], None] | None = None, **kwargs: Any):
         kwargs.pop("backend", None)
@@ -561,6 +561,7 @@ class MultiprocExecutor(Executor):
         self.secret = secret_from_env(secret) if secret or not curve_dir else None
         if self.secret and self.curve_dir:
             raise ValueError("give a cluster secret or a key folder (curve_dir), not both")
+        self.insecure = os.environ.get("ZBUS_INSECURE") == "1" if insecure is None else insecure
         port = metrics_port or os.environ.get("ZBUS_METRICS_PORT")
         self.metrics_port = int(port) if port else None
         self._metrics_server: Any = None
@@ -586,7 +587,7 @@ class MultiprocExecutor(Executor):
         n, s = self.nproc_per_node, self.settings
         if self.nnodes > 1:
             self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail, self.curve_dir,
-                                  self.metrics, self.status, secret=self.secret)
+                                  self.metrics, self.status, secret=self.secret, insecure=self.insecure)
             self._bcast = self._leader.bcast
             torch_port = reserve_port(self._leader.bind_ip)
             ifname = route_to(self._leader.bind_ip)[1]
