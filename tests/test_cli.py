@@ -10,12 +10,12 @@ import pytest
 HELP = {
     None: ["demo", "follower", "keygen", "status", "bench", "--log-level"],
     "demo": ["--nnodes", "--nproc-per-node", "--master-addr", "--master-port", "--steps", "--metrics-port",
-             "ZBUS_MASTER_ADDR"],
+             "ZBUS_MASTER_ADDR", "--secret-file", "--insecure", "ZBUS_INSECURE"],
     "follower": ["--master-addr", "--master-port", "--nproc-per-node", "--node-rank", "--advertise-addr",
                  "--join-timeout", "--allow-import-calls", "--allow-worker", "--curve-dir",
-                 "LWS_LEADER_ADDRESS", "ZBUS_NODE_RANK", "ZBUS_JOIN_TIMEOUT"],
+                 "--secret-file", "ZBUS_SECRET", "LWS_LEADER_ADDRESS", "ZBUS_NODE_RANK", "ZBUS_JOIN_TIMEOUT"],
     "keygen": ["--nodes", "DIR/leader"],
-    "status": ["--master-addr", "--master-port", "--json", "--timeout", "--curve-dir"],
+    "status": ["--master-addr", "--master-port", "--json", "--timeout", "--curve-dir", "--secret-file"],
     "bench": ["--seconds", "--json", "--plot", "--from-json", "ring, rpc, payload"],
 }
 

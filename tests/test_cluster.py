@@ -358,12 +358,19 @@ def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_envir
         end_process(strict)
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")  # allows "workers"; import-path calls stay off
+    # Sabotage for the environment: the old deny-list (RISKY_ENV = LD_, DYLD_, PYTHON, ZBUS_, PATH)
+    # let every name below but LD_PRELOAD through.
+    risky = ["LD_PRELOAD", "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_DEBUG_FILE", "NCCL_TOPO_FILE",
+             "OPENSSL_CONF", "GCONV_PATH", "http_proxy", "HTTPS_PROXY", "HF_ENDPOINT", "VLLM_PLUGINS",
+             "CUDA_HOME", "MY_SETTING"]
+    safe = {"ZBUS_TEST_VALUE": "ok", "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "3"}
     try:
-        with leader(port, nnodes=2, join_timeout=60,
-                    env={"LD_PRELOAD": "/nonexistent.so", "ZBUS_TEST_VALUE": "x", "MY_SETTING": "ok"}) as ex:
-            infos = ex.collective_rpc("env_of", args=(["LD_PRELOAD", "MY_SETTING"],), timeout=30)
-            assert infos[0] == {"LD_PRELOAD": "/nonexistent.so", "MY_SETTING": "ok"}  # the leader's own
-            assert infos[1] == {"LD_PRELOAD": None, "MY_SETTING": "ok"}  # a follower drops the risky one
+        with leader(port, nnodes=2, join_timeout=60, env={**{k: "evil" for k in risky}, **safe}) as ex:
+            infos = ex.collective_rpc("env_of", args=([*risky, *safe],), timeout=30)
+            assert infos[0] == {**{k: "evil" for k in risky}, **safe}  # the leader's own take all
+            # a follower takes the safe names only (the risky ones keep the node's own value)
+            assert {k: v for k, v in infos[1].items() if v == "evil"} == {}
+            assert {k: infos[1][k] for k in safe} == safe
             with pytest.raises(zbus.ZbusError, match="rank 1: .*disabled on this node"):
                 ex.collective_rpc("workers:add_rank", args=(1,), timeout=30)
         assert proc.wait(30) == 0

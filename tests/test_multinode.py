@@ -34,15 +34,19 @@ def start_followers(c: NetnsCluster, ranked: bool = True) -> list:
     procs = []
     for node in c.nodes[1:]:
         argv, env = compose.service(node.name)
-        if not ranked:
-            del env["ZBUS_NODE_RANK"]
+        if not ranked:  # keys derived from ZBUS_SECRET need a rank: this cluster runs without
+            del env["ZBUS_NODE_RANK"], env["ZBUS_SECRET"]
         procs.append(node.start(argv, env=dict(env, PYTHONPATH=TEST_PATH, ZBUS_ALLOW_WORKERS="workers")))
     return procs
 
 
-def driver(c: NetnsCluster, scenario: str):
+def driver(c: NetnsCluster, scenario: str, keyed: bool = True):
+    """The leader, keyed by the compose file's ZBUS_SECRET, or without keys (its
+    followers started with ``ranked=False``), which a non-loopback leader refuses
+    unless ZBUS_INSECURE=1."""
+    keys = {"ZBUS_SECRET": compose.service("leader")[1]["ZBUS_SECRET"]} if keyed else {"ZBUS_INSECURE": "1"}
     return c.nodes[0].python(os.path.join(os.path.dirname(__file__), "mn_driver.py"), scenario,
-                             env={"PYTHONPATH": TEST_PATH}, stdout=subprocess.PIPE, text=True)
+                             env={"PYTHONPATH": TEST_PATH, **keys}, stdout=subprocess.PIPE, text=True)
 
 
 def read_json(proc, timeout: float = 120) -> dict:
@@ -70,7 +74,7 @@ def wait_exit(procs, timeout: float) -> list[int | None]:
 
 def test_three_nodes_results_ranks_and_clean_exit(cluster):
     followers = start_followers(cluster, ranked=False)
-    proc = driver(cluster, "basic")
+    proc = driver(cluster, "basic", keyed=False)
     result = read_json(proc)
     assert result["world_size"] == 6
     assert result["values"] == [40, 41, 42, 43, 44, 45]

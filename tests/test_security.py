@@ -192,3 +192,201 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
         ctx.destroy(linger=0)
         if proc is not None:
             end_process(proc)
+
+
+def good_welcome(**changes):
+    welcome = {"node_rank": 1, "nnodes": 2, "nproc_per_node": 2, "master_addr": "10.0.0.1",
+               "liveness_s": 10.0, "reply_address": "tcp://10.0.0.1:29651", "torch_port": 29700,
+               "spec": {"worker": "zbus.demo:DemoWorker", "kwargs": {}}, "env": {"OMP_NUM_THREADS": "1"}}
+    welcome.update(changes)
+    return welcome
+
+
+@pytest.mark.parametrize("changes,why", [
+    ({"nproc_per_node": 10000}, "nproc_per_node"), ({"nproc_per_node": 2.0}, "nproc_per_node"),
+    ({"liveness_s": 1e12}, "liveness_s"), ({"liveness_s": 0.01}, "liveness_s"),
+    ({"liveness_s": float("nan")}, "liveness_s"), ({"node_rank": 3}, "node_rank"),
+    ({"nnodes": 10**9}, "nnodes"), ({"torch_port": 0}, "torch_port"),
+    ({"master_addr": "x" * 5000}, "master_addr"), ({"reply_address": "ipc:///tmp/x"}, "reply_address"),
+    ({"spec": {"worker": None}}, "spec"), ({"env": {"A": "x" * 100000}}, "env"),
+    ({"env": {str(i): "" for i in range(2000)}}, "env")])
+def test_a_follower_checks_every_welcome_field(changes, why):
+    """Sabotage: make check_welcome return None (the old code checked nothing)."""
+    from zbus.agent import check_welcome
+
+    assert check_welcome(good_welcome(), nproc=2, node_rank=1) is None
+    assert check_welcome(good_welcome(), nproc=2, node_rank=None) is None
+    assert why in check_welcome(good_welcome(**changes), nproc=2, node_rank=1)
+    assert "node_rank" in check_welcome(good_welcome(node_rank=2, nnodes=3), nproc=2, node_rank=1)
+
+
+def test_a_follower_refuses_a_welcome_that_turns_off_leader_loss_detection():
+    """A leader (or one posing as it) welcomes with liveness_s=1000: the follower
+    refuses, says why, and the leader's start-up fails naming it.
+    Sabotage: skip the check_welcome call in NodeAgent._start_workers."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with pytest.raises(zbus.StartupError, match="refused .*liveness_s 1000"):
+            zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                          master_port=port, liveness_s=1000.0, join_timeout=60)
+        assert proc.wait(30) == 1
+        assert "liveness_s 1000" in proc.stderr.read()
+    finally:
+        end_process(proc)
+
+
+SECRET = "zbus-test-secret-0123456789abcdef"  # a test-only value
+
+
+def forge(port: int, curve, messages: list) -> None:
+    """Send ``messages`` to the leader's PULL port over a connection keyed by ``curve``."""
+    from zbus.queues import send_frames
+
+    ctx = zmq.Context()
+    try:
+        push = ctx.socket(zmq.PUSH)
+        curve.client(push)
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        for msg in messages:
+            send_frames(push, codec.encode(msg), time.monotonic() + 10, "forge")
+        time.sleep(0.5)  # linger: let them leave before the context goes
+    finally:
+        ctx.destroy(linger=1000)
+
+
+def wait_dropped(ex, at_least: int, timeout: float = 20) -> int:
+    deadline = time.monotonic() + timeout
+    while ex._leader.dropped < at_least and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ex._leader.dropped
+
+
+def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
+    """Node 2's key sends a reply, a death notice, a heartbeat and a gap report for
+    node 1 (rank 1): all dropped and counted; its own heartbeat is not; the cluster
+    serves on. Sabotage: make Leader._sent_by_owner return True (the forged "died"
+    then fails the executor with WorkerDiedError)."""
+    from zbus.curve import NodeCurve
+
+    keygen(str(tmp_path), nodes=2)
+    port = free_port_pair()
+    procs = [follower(port, "--node-rank", str(r), "--curve-dir", str(tmp_path / f"node-{r}"))
+             for r in (1, 2)]
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, curve_dir=str(tmp_path / "leader"), join_timeout=60) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
+            before = ex._leader.dropped
+            forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
+                  [[1, 10**6, 0, "forged"], ["died", 1, 1, 9], ["hb", 1], ["gap", 1, 1, 5], ["hb", 2]])
+            assert wait_dropped(ex, before + 4) == before + 4
+            time.sleep(0.5)
+            assert ex._leader.dropped == before + 4  # node 2's own heartbeat was taken
+            ex.check_health()
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
+        assert [p.wait(30) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            end_process(p)
+
+
+def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkeypatch, caplog):
+    """ZBUS_SECRET alone keys a 3-node cluster; rank 2's derived key claiming rank 1
+    (a join, a reply, a death notice) is dropped. Sabotage: make
+    Leader._sent_by_owner return True: the forged "died" then fails the executor."""
+    from zbus.curve import NodeCurve
+
+    monkeypatch.setenv("ZBUS_SECRET", SECRET)
+    monkeypatch.delenv("ZBUS_CURVE_DIR", raising=False)
+    port = free_port_pair()
+    procs = [follower(port, "--node-rank", str(r)) for r in (1, 2)]
+    try:
+        with caplog.at_level(logging.INFO, logger="zbus.cluster"):
+            with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
+                               master_port=port, join_timeout=60) as ex:
+                assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
+                before = ex._leader.dropped
+                info = {"version": 1, "nproc": 1, "host": "h", "address": "a", "node_rank": 1, "pid": 1}
+                forge(port, NodeCurve.from_secret(SECRET.encode(), 2),
+                      [["join", "f" * 16, info], [1, 10**6, 0, "forged"], ["died", 1, 1, 9]])
+                assert wait_dropped(ex, before + 3) == before + 3
+                ex.check_health()
+                assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
+        assert any("links are CurveZMQ" in r.getMessage() for r in caplog.records)
+        assert [p.wait(30) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            end_process(p)
+
+
+def test_a_node_with_another_secret_is_refused_at_the_handshake(tmp_path, monkeypatch, caplog):
+    """The node's keys (and the leader's public key it expects) differ: the handshake
+    fails before ZAP, and the leader logs it. Sabotage: derive keys without the
+    secret (hmac.new(b"zbus-curve-v1", b"", ...) in derive_key): the node joins."""
+    monkeypatch.setenv("ZBUS_SECRET", SECRET)
+    other = tmp_path / "other-secret"
+    other.write_text("another-secret-0123456789abcdef\n")
+    port = free_port_pair()
+    stranger = follower(port, "--node-rank", "1", "--secret-file", str(other))
+    try:
+        with caplog.at_level(logging.WARNING, logger="zbus.curve"):
+            with pytest.raises(zbus.StartupError, match=r"missing node ranks: \[1\]"):
+                zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                              master_port=port, join_timeout=4)
+        assert any("failed the CurveZMQ handshake" in r.getMessage() for r in caplog.records)
+    finally:
+        end_process(stranger, timeout=1)
+
+
+def non_loopback_ip() -> str | None:
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+def test_check_exposure_refuses_an_unkeyed_leader_off_loopback(caplog):
+    """Sabotage: make check_exposure return at once."""
+    from zbus.cluster import check_exposure
+
+    for ip in ("127.0.0.1", "::1"):
+        check_exposure(ip, keyed=False, insecure=False)
+    check_exposure("10.0.0.1", keyed=True, insecure=False)
+    with pytest.raises(zbus.ZbusError, match="without keys.*ZBUS_SECRET.*ZBUS_INSECURE=1"):
+        check_exposure("10.0.0.1", keyed=False, insecure=False)
+    with caplog.at_level(logging.WARNING, logger="zbus.cluster"):
+        check_exposure("10.0.0.1", keyed=False, insecure=True)
+    assert any("insecure" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unkeyed_leader_on_a_non_loopback_address_starts_only_when_insecure(monkeypatch, caplog):
+    """Refused at once without keys; ZBUS_INSECURE=1 lets it lead, with a warning.
+    Sabotage: remove the check_exposure call from Leader.__init__."""
+    ip = non_loopback_ip()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address here")
+    monkeypatch.delenv("ZBUS_SECRET", raising=False)
+    monkeypatch.delenv("ZBUS_INSECURE", raising=False)
+    port = free_port_pair(ip)
+    t0 = time.monotonic()
+    with pytest.raises(zbus.ZbusError, match="without keys"):
+        zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr=ip, master_port=port,
+                      join_timeout=30)
+    assert time.monotonic() - t0 < 10  # at start, not after the join timeout
+    monkeypatch.setenv("ZBUS_INSECURE", "1")
+    proc = follower(port, "--node-rank", "1", "--master-addr", ip)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zbus.cluster"):
+            with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr=ip,
+                               master_port=port, join_timeout=60) as ex:
+                assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+        assert any("insecure: leading nodes" in r.getMessage() for r in caplog.records)
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)

@@ -29,13 +29,14 @@ from .cluster import (
     TOPIC_RPC,
     ClusterSettings,
     _bracket,
+    brief,
     new_node_id,
     node_topic,
     resolve_ip,
     route_to,
     touch_health,
 )
-from .curve import NodeCurve, curve_dir_from_env
+from .curve import NodeCurve, curve_dir_from_env, secret_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .executor import LocalWorkers
 from .queues import send_frames
@@ -47,7 +48,61 @@ log = logging.getLogger(__name__)
 BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BYTES)
 BACKLOG_BYTES = 256 * 2**20  # while the ring is full
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
-RISKY_ENV = ("LD_", "DYLD_", "PYTHON", "ZBUS_")
+# env= from an unauthenticated leader: only tuning knobs pass (an allow-list), and
+# none whose name suggests a path, plugin, file, proxy or download source.
+SAFE_ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "VLLM_", "ZBUS_TEST_")
+SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM",)
+UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CONF", "CACHE", "ENDPOINT",
+                    "URL", "PROXY", "MODULE", "PRELOAD", "CMD", "EXEC", "SCRIPT")
+
+
+def safe_env_name(name: str) -> bool:
+    """Whether an unauthenticated leader may set ``name`` in this node's workers."""
+    allowed = name in SAFE_ENV_NAMES or name.startswith(SAFE_ENV_PREFIXES)
+    return allowed and not any(word in name for word in UNSAFE_ENV_WORDS)
+LIVENESS_RANGE_S = (0.5, 600.0)  # a welcome's liveness limit must lie in here
+MAX_NNODES = 4096
+MAX_TEXT = 1024  # longest address or worker path a welcome may carry
+MAX_ENV = 1024  # most env= variables, each name and value at most MAX_TEXT and 64 KiB
+
+
+def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None:
+    """Why this node must not start what ``welcome`` asks, or None. A welcome comes
+    from the leader, which without keys anyone can pose as: every field must agree
+    with this node's own settings (its worker count, its rank when it has one) or
+    lie within sane bounds (the liveness limit: no heartbeat may be waited for
+    forever)."""
+    w = welcome if isinstance(welcome, dict) else {}
+
+    def is_int(key: str, lo: int, hi: int) -> bool:
+        return type(w.get(key)) is int and lo <= w[key] <= hi
+
+    def is_text(value: Any) -> bool:
+        return type(value) is str and 0 < len(value) <= MAX_TEXT
+
+    if w.get("nproc_per_node") != nproc or type(w.get("nproc_per_node")) is not int:
+        return f"nproc_per_node {brief(w.get('nproc_per_node'))} is not this node's {nproc}"
+    if not is_int("nnodes", 2, MAX_NNODES):
+        return f"nnodes {brief(w.get('nnodes'))} outside 2..{MAX_NNODES}"
+    if not is_int("node_rank", 1, w["nnodes"] - 1) or node_rank not in (None, w["node_rank"]):
+        return f"node_rank {brief(w.get('node_rank'))} is not this node's ({node_rank}) or out of range"
+    lo, hi = LIVENESS_RANGE_S
+    if type(w.get("liveness_s")) not in (int, float) or not lo <= w["liveness_s"] <= hi:
+        return f"liveness_s {brief(w.get('liveness_s'))} outside {lo}..{hi} s"
+    if not is_int("torch_port", 1, 65535):
+        return f"torch_port {brief(w.get('torch_port'))} outside 1..65535"
+    if not is_text(w.get("master_addr")):
+        return "master_addr is not a short string"
+    if not is_text(w.get("reply_address")) or not w["reply_address"].startswith("tcp://"):
+        return f"reply_address {brief(w.get('reply_address'))} is not a tcp:// address"
+    spec = w.get("spec")
+    if not isinstance(spec, dict) or not is_text(spec.get("worker")):
+        return "spec names no worker class"
+    env = w.get("env", {})
+    if not isinstance(env, dict) or len(env) > MAX_ENV or not all(
+            is_text(k) and type(v) is str and len(v) <= 65536 for k, v in env.items()):
+        return f"env is not at most {MAX_ENV} short string variables"
+    return None
 
 
 class LeaderLost(ZbusError):
@@ -61,7 +116,8 @@ class NodeAgent:
                  nproc_per_node: int | None = None, node_rank: int | None = None,
                  advertise_addr: str | None = None, join_timeout: float = 300.0,
                  allow_import_calls: bool = False, curve_dir: str | None = None,
-                 allowed_workers: tuple[str, ...] | None = None):
+                 allowed_workers: tuple[str, ...] | None = None, secret: bytes | str | None = None,
+                 secret_file: str | None = None):
         self.settings = ClusterSettings.resolve(None, nproc_per_node, master_addr, master_port)
         env_rank = os.environ.get("ZBUS_NODE_RANK") or os.environ.get("LWS_WORKER_INDEX")
         self.node_rank = node_rank if node_rank is not None else (int(env_rank) if env_rank else None)
@@ -70,8 +126,9 @@ class NodeAgent:
         self.allow_import_calls = allow_import_calls
         env_allowed = tuple(p for p in os.environ.get("ZBUS_ALLOW_WORKERS", "").split(",") if p)
         self.allowed_workers = DEFAULT_ALLOWED_WORKERS + tuple(allowed_workers or ()) + env_allowed
-        self.curve_dir = curve_dir_from_env(curve_dir)
-        self.curve = NodeCurve(self.curve_dir) if self.curve_dir else None
+        explicit_dir = curve_dir and not (secret or secret_file)  # an argument beats ZBUS_SECRET
+        self.curve = self._keys(curve_dir_from_env(curve_dir),
+                                None if explicit_dir else secret_from_env(secret, secret_file))
         self.node_id = new_node_id()
         self.ctx = zmq.Context()
         self.sub: zmq.Socket | None = None
@@ -87,6 +144,18 @@ class NodeAgent:
         self._last_leader = time.monotonic()
         self._next_hb = 0.0
         self.liveness_s = self.settings.liveness_s
+
+    def _keys(self, curve_dir: str | None, secret: bytes | None) -> NodeCurve | None:
+        """This node's key pair: from the cluster secret (derived for this node's
+        rank, which it must then know) or from a key folder; None without keys."""
+        if secret and curve_dir:
+            raise ZbusError("give a cluster secret or a key folder (--curve-dir), not both")
+        if secret:
+            if self.node_rank is None:
+                raise ZbusError("with a cluster secret this node needs its rank (--node-rank, "
+                                "ZBUS_NODE_RANK): its key is derived for that rank")
+            return NodeCurve.from_secret(secret, self.node_rank)
+        return NodeCurve.from_dir(curve_dir) if curve_dir else None
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -165,7 +234,16 @@ class NodeAgent:
         raise ZbusError(f"no leader answered at {self.settings.master_addr}:{self.settings.master_port} "
                         f"within {self.join_timeout} s")
 
+    def _refuse(self, reason: str) -> None:
+        """Tell the leader why this node will not start (it fails start-up naming
+        us), and leave."""
+        self._send(["refused", self.node_id, reason], timeout=1.0)
+        raise ZbusError(reason)
+
     def _start_workers(self, welcome: dict) -> None:
+        problem = check_welcome(welcome, self.settings.nproc_per_node, self.node_rank)
+        if problem is not None:
+            self._refuse(f"refused the leader's welcome: {problem}")
         n = welcome["nproc_per_node"]
         self.node_rank = welcome["node_rank"]
         self.liveness_s = welcome["liveness_s"]
@@ -180,7 +258,8 @@ class NodeAgent:
         self._check_worker(spec.get("worker"))
         env = self._worker_env(welcome.get("env") or {})  # the driver's Executor(env=...)
         self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
-                                    [{"push": welcome["reply_address"], "curve_dir": self.curve_dir}] * n,
+                                    [{"push": welcome["reply_address"],
+                                      "curve": self.curve.to_dict() if self.curve else None}] * n,
                                     [self.ring.name],
                                     welcome["master_addr"], welcome["torch_port"], env, self._on_death)
         self.ring.send(codec.encode(spec), timeout=30)
@@ -199,15 +278,14 @@ class NodeAgent:
                       "leader may only start the classes allowed with --allow-worker "
                       f"(now: {', '.join(self.allowed_workers)}); or trust the leader with keys "
                       "(zbus keygen)")
-            self._send(["refused", self.node_id, reason], timeout=1.0)
-            raise ZbusError(reason)
+            self._refuse(reason)
 
     def _worker_env(self, env: dict) -> dict:
         """The driver's env for this node's workers; from an unauthenticated leader
         without the variables that change what a process loads or runs."""
         env = {str(k): str(v) for k, v in env.items()}
         if self.curve is None:
-            risky = [k for k in env if k.startswith(RISKY_ENV) or k == "PATH"]
+            risky = [k for k in env if not safe_env_name(k)]
             for k in risky:
                 del env[k]
             if risky:

@@ -10,6 +10,11 @@ import sys
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    if args.insecure:  # read by the Executor the demo leads
+        os.environ["ZBUS_INSECURE"] = "1"
+    if args.secret_file:
+        os.environ["ZBUS_SECRET_FILE"] = args.secret_file
+
     return run_demo(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                     master_addr=args.master_addr, master_port=args.master_port, steps=args.steps,
                     metrics_port=args.metrics_port)
@@ -22,18 +27,20 @@ def _follower(args: argparse.Namespace) -> int:
                      nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                      advertise_addr=args.advertise_addr, join_timeout=args.join_timeout,
                      allow_import_calls=args.allow_import_calls, curve_dir=args.curve_dir,
-                     allowed_workers=tuple(args.allow_worker)).run()
+                     allowed_workers=tuple(args.allow_worker), secret_file=args.secret_file).run()
 
 
 def _status(args: argparse.Namespace) -> int:
     import json
 
     from .cluster import ClusterSettings, query_status
-    from .curve import curve_dir_from_env
+    from .curve import curve_dir_from_env, secret_from_env
 
     s = ClusterSettings.resolve(master_addr=args.master_addr, master_port=args.master_port)
     try:
-        status = query_status(s.master_addr, s.master_port, args.timeout, curve_dir_from_env(args.curve_dir))
+        secret = None if args.curve_dir else secret_from_env(path=args.secret_file)
+        status = query_status(s.master_addr, s.master_port, args.timeout, curve_dir_from_env(args.curve_dir),
+                              secret)
     except TimeoutError as e:
         print(f"zbus status: {e}. Is the leader running, and are --master-addr/--master-port "
               "its address and first port?", file=sys.stderr)
@@ -100,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--metrics-port", type=int, default=None,
                       help="serve Prometheus metrics on this port (ZBUS_METRICS_PORT; needs "
                       "prometheus-client)")
+    demo.add_argument("--secret-file", default=None, help="a file holding the cluster secret "
+                      "(ZBUS_SECRET_FILE, or the secret itself in ZBUS_SECRET): keyed links")
+    demo.add_argument("--insecure", action="store_true", help="lead nodes on a non-loopback address "
+                      "without keys (ZBUS_INSECURE=1): anyone reaching the ports can join or forge")
     demo.set_defaults(func=_demo)
 
     fol = sub.add_parser("follower", help="run this host as a follower node of a cluster", description=(
@@ -132,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     fol.add_argument("--curve-dir", default=None,
                      help="this node's key folder from 'zbus keygen' (ZBUS_CURVE_DIR): "
                      "authenticated, encrypted links")
+    fol.add_argument("--secret-file", default=None,
+                     help="a file holding the cluster secret (ZBUS_SECRET_FILE, or the secret itself "
+                     "in ZBUS_SECRET): this node's keys are derived from it for its --node-rank")
     fol.set_defaults(func=_follower)
 
     keys = sub.add_parser("keygen", help="make CurveZMQ keys for a leader and its nodes", description=(
@@ -152,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default 10)")
     status.add_argument("--curve-dir", default=None, help="a node key folder, when the leader uses keys")
+    status.add_argument("--secret-file", default=None, help="the cluster secret's file (ZBUS_SECRET_FILE, "
+                        "ZBUS_SECRET), when the leader uses one")
     status.set_defaults(func=_status)
 
     bench = sub.add_parser("bench", help="measure zbus beside baselines, in one run", description=(

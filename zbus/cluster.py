@@ -320,13 +320,18 @@ class Leader:
 
     def __init__(self, settings: ClusterSettings, broadcaster_factory: Callable[..., Broadcaster],
                  on_failure: Callable[[Exception], None], curve_dir: str | None = None,
-                 metrics: Metrics | None = None, status: Callable[[], dict] | None = None):
+                 metrics: Metrics | None = None, status: Callable[[], dict] | None = None,
+                 secret: bytes | None = None, insecure: bool = False):
         self.settings = settings
         self.ctx = zmq.Context()
         self.curve: LeaderCurve | None = None
         try:
             self.bind_ip = resolve_ip(settings.master_addr)
-            self.curve = LeaderCurve(self.ctx, curve_dir) if curve_dir else None
+            check_exposure(self.bind_ip, bool(secret or curve_dir), insecure)
+            if secret:
+                self.curve = LeaderCurve.from_secret(self.ctx, secret, settings.nnodes)
+            elif curve_dir:
+                self.curve = LeaderCurve.from_dir(self.ctx, curve_dir)
             configure = self.curve.server if self.curve else None
             self.bcast = broadcaster_factory(host=self.bind_ip, port=settings.master_port, ctx=self.ctx,
                                              configure=configure)
@@ -562,7 +567,8 @@ class Leader:
 
     def _recv_control(self) -> Any:
         try:
-            frames = [f.buffer for f in self.pull.recv_multipart(copy=False)]
+            raw = self.pull.recv_multipart(copy=False)
+            frames = [f.buffer for f in raw]
             msg = codec.decode(frames)
         except CodecError as e:
             reply = _undecodable_reply(frames, e)
@@ -575,7 +581,33 @@ class Leader:
         if type(msg) is not list or not msg:
             self._drop(f"a message of the wrong shape: {brief(msg)}")
             return None
+        if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
+            self._drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it")
+            return None
         return msg
+
+    def _sent_by_owner(self, msg: list, node_rank: int | None) -> bool:
+        """Whether the node key of ``node_rank`` may send ``msg``: each key speaks only
+        for its own node rank and that node's worker ranks (see zbus.curve)."""
+        n, kind = self.settings.nproc_per_node, msg[0]
+        ranks = range(node_rank * n, (node_rank + 1) * n) if node_rank else range(0)
+        if type(kind) is int:  # a worker's reply
+            return kind in ranks
+        if type(kind) is not str:
+            return True  # dropped by _dispatch
+        if kind in ("hb", "gap"):
+            return len(msg) > 1 and type(msg[1]) is int and msg[1] == node_rank
+        if kind == "died":
+            return len(msg) > 2 and type(msg[1]) is type(msg[2]) is int and msg[1] == node_rank \
+                and msg[2] in ranks
+        if kind == "join" and len(msg) == 3 and isinstance(msg[2], dict):
+            if msg[2].get("node_rank") in (None, -1):
+                msg[2]["node_rank"] = node_rank  # the key decides which free rank it takes
+            return type(msg[2]["node_rank"]) is int and msg[2]["node_rank"] == node_rank
+        if kind in ("subscribed", "refused") and len(msg) > 1 and type(msg[1]) is str:
+            node = self._probing.get(msg[1])
+            return node is None or node.node_rank == node_rank
+        return True  # status (any listed key may ask) and what _dispatch drops
 
     def _run(self) -> None:
         """The I/O thread: heartbeats and liveness, subscriptions while the cluster
@@ -809,13 +841,29 @@ class Leader:
         self.ctx.term()
 
 
+def check_exposure(bind_ip: str, keyed: bool, insecure: bool) -> None:
+    """A leader without keys on an address other hosts reach lets anyone join as a
+    node or pose as one: refuse it unless asked for (``insecure``)."""
+    import ipaddress
+
+    if keyed or ipaddress.ip_address(bind_ip.split("%")[0]).is_loopback:
+        return
+    if not insecure:
+        raise ZbusError(f"refusing to lead nodes on {bind_ip} without keys: set ZBUS_SECRET (or "
+                        "curve_dir=) to authenticate them, or ZBUS_INSECURE=1 / insecure=True to run "
+                        "without (see docs/security.md)")
+    log.warning("insecure: leading nodes on %s without keys: anyone who reaches its ports can join as "
+                "a node, read every call and forge replies, and anyone posing as this leader can "
+                "start the allowed worker classes on the followers", bind_ip)
+
+
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
 
 def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
-                 curve_dir: str | None = None) -> dict:
+                 curve_dir: str | None = None, secret: bytes | None = None) -> dict:
     """Ask a running leader for its status (``zbus status``): subscribe to an
     answer topic of our own, then ask on the leader's PULL port until it answers."""
     from .curve import NodeCurve
@@ -826,8 +874,10 @@ def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
     try:
         sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
         for sock in (sub, push):
-            if curve_dir:
-                NodeCurve(curve_dir).client(sock)
+            if secret:  # any node key may ask: rank 1's
+                NodeCurve.from_secret(secret, 1).client(sock)
+            elif curve_dir:
+                NodeCurve.from_dir(curve_dir).client(sock)
             sock.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, STATUS_TOPIC + token.encode())
         sub.connect(f"tcp://{_bracket(ip)}:{master_port}")

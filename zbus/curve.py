@@ -13,16 +13,32 @@ and lets a ZAP handler admit only the public keys in ``authorized/``; a follower
 (``--curve-dir``) and its workers use the node's key pair and the leader's
 public key. A node without a listed key fails the handshake: ZeroMQ drops the
 connection before a single message of it is read.
+
+Or one shared secret (``ZBUS_SECRET``, ``ZBUS_SECRET_FILE``, ``--secret-file``):
+every key pair is derived from it with HKDF-SHA256 (RFC 5869; salt
+``zbus-curve-v1``, info ``leader`` or ``node-<rank>``), a curve25519 secret key
+being any 32 bytes. Each node rank still has its own key pair.
+
+Either way each node key is bound to one node rank (``node-<i>.key`` to rank i):
+the leader drops what a key sends for another node's ranks (see
+``zbus.cluster.Leader``), using the ZAP User-Id, the z85 public key, that libzmq
+attaches to every message received over an authenticated connection.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import re
 import shutil
+import threading
+import time
 from typing import Any
 
 import zmq
+import zmq.utils.z85
 
 from .errors import ZbusError
 
@@ -31,8 +47,39 @@ from .errors import ZbusError
 log = logging.getLogger(__name__)
 
 
+MIN_SECRET_BYTES = 16
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+NODE_KEY = re.compile(r"node-([1-9][0-9]*)\.key")
+
+
 def curve_dir_from_env(value: str | None = None) -> str | None:
     return value or os.environ.get("ZBUS_CURVE_DIR") or None
+
+
+def secret_from_env(value: str | bytes | None = None, path: str | None = None) -> bytes | None:
+    """The cluster secret: ``value``, else the file at ``path``, else ``ZBUS_SECRET``,
+    else the file named by ``ZBUS_SECRET_FILE``; None if none is set."""
+    path = path or (None if value else os.environ.get("ZBUS_SECRET_FILE"))
+    if value is None and path:
+        with open(path, "rb") as f:
+            value = f.read().strip()
+    value = value or os.environ.get("ZBUS_SECRET") or None
+    if value is None:
+        return None
+    secret = value.encode() if isinstance(value, str) else bytes(value)
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ZbusError(f"the cluster secret is {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES} "
+                        "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
+    return secret
+
+
+def derive_key(secret: bytes, name: str) -> tuple[bytes, bytes]:
+    """The key pair (z85 public, z85 secret) named ``name`` ("leader", "node-<r>")
+    of a cluster secret: HKDF-SHA256, one 32-byte output block."""
+    prk = hmac.new(b"zbus-curve-v1", secret, hashlib.sha256).digest()
+    key = zmq.utils.z85.encode(hmac.new(prk, name.encode() + b"\x01", hashlib.sha256).digest())
+    return zmq.curve_public(key), key
 
 
 def keygen(directory: str, nodes: int) -> list[str]:
@@ -72,37 +119,110 @@ def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
     return public, secret_key
 
 
-class LeaderCurve:
-    """The leader's keys and its ZAP handler, which admits only listed keys."""
+class _ZapLog(logging.LoggerAdapter):
+    """pyzmq logs each ZAP decision at DEBUG; a refused key deserves a warning."""
 
-    def __init__(self, ctx: zmq.Context, directory: str):
-        self.public, self.secret = _load(os.path.join(directory, "leader.key_secret"), secret=True)
-        authorized = os.path.join(directory, "authorized")
-        if not os.path.isdir(authorized) or not os.listdir(authorized):
-            raise ZbusError(f"{authorized} lists no node keys: no node could join")
+    def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        denied = str(msg).startswith("DENIED") or (args and args[0] == "DENIED")
+        (self.warning if denied else super().debug)(msg, *args, **kwargs)
+
+
+class LeaderCurve:
+    """The leader's keys and its ZAP handler, which admits only listed keys; each
+    listed key belongs to one node rank (``rank_of``)."""
+
+    def __init__(self, ctx: zmq.Context, public: bytes, secret: bytes, ranks: dict[str, int]):
+        self.public, self.secret, self.ranks = public, secret, ranks
         from zmq.auth.thread import ThreadAuthenticator
 
-        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("zbus.curve.zap"))
+        self.auth = ThreadAuthenticator(ctx, log=_ZapLog(logging.getLogger("zbus.curve.zap"), {}))
+        self.auth.certs["*"] = {key.encode(): True for key in ranks}  # as configure_curve loads them
         self.auth.start()
-        self.auth.configure_curve(domain="*", location=authorized)
+        self._monitors: list[zmq.Socket] = []
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @classmethod
+    def from_dir(cls, ctx: zmq.Context, directory: str) -> LeaderCurve:
+        public, secret = _load(os.path.join(directory, "leader.key_secret"), secret=True)
+        authorized = os.path.join(directory, "authorized")
+        names = os.listdir(authorized) if os.path.isdir(authorized) else []
+        if not names:
+            raise ZbusError(f"{authorized} lists no node keys: no node could join")
+        ranks = {}
+        for name in names:
+            match = NODE_KEY.fullmatch(name)
+            if match is None:  # the file name binds the key to its node rank
+                raise ZbusError(f"{authorized}/{name}: node keys must be named node-<rank>.key")
+            ranks[_load(os.path.join(authorized, name), secret=False)[0].decode()] = int(match[1])
+        return cls(ctx, public, secret, ranks)
+
+    @classmethod
+    def from_secret(cls, ctx: zmq.Context, secret: bytes, nnodes: int) -> LeaderCurve:
+        ranks = {derive_key(secret, f"node-{r}")[0].decode(): r for r in range(1, nnodes)}
+        return cls(ctx, *derive_key(secret, "leader"), ranks)
+
+    def rank_of(self, user_id: str) -> int | None:
+        """The node rank whose key authenticated a message (its ZAP User-Id)."""
+        return self.ranks.get(user_id)
 
     def server(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` a Curve server; call before bind."""
+        """Make ``sock`` a Curve server; call before bind. Failed handshakes on it are
+        logged: a key from another set (another secret) fails before ZAP sees it."""
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
+        self._monitors.append(sock.get_monitor_socket(HANDSHAKE_FAILED))
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="zbus-curve-monitor", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        last_log = 0.0
+        while not self._stop.is_set():
+            for sock in list(self._monitors):
+                if not sock.poll(0):
+                    continue
+                event = recv_monitor_message(sock)
+                if event["event"] & HANDSHAKE_FAILED and time.monotonic() - last_log >= 1.0:
+                    last_log = time.monotonic()  # at most once a second under a flood
+                    log.warning("a peer failed the CurveZMQ handshake on %s (a key of another set or "
+                                "secret?)", event["endpoint"].decode(errors="replace"))
+            self._stop.wait(0.1)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(2)
+        for sock in self._monitors:
+            sock.close(linger=0)
         self.auth.stop()
 
 
 class NodeCurve:
     """A follower's (and its workers') keys: the node's pair, the leader's public."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
-        self.public, self.secret = _load(os.path.join(directory, "node.key_secret"), secret=True)
-        self.server_key, _ = _load(os.path.join(directory, "leader.key"), secret=False)
+    def __init__(self, public: bytes | str, secret: bytes | str, server: bytes | str):
+        def raw(key: bytes | str) -> bytes:
+            return key.encode() if isinstance(key, str) else key
+
+        self.public, self.secret, self.server_key = raw(public), raw(secret), raw(server)
+
+    @classmethod
+    def from_dir(cls, directory: str) -> NodeCurve:
+        public, secret = _load(os.path.join(directory, "node.key_secret"), secret=True)
+        return cls(public, secret, _load(os.path.join(directory, "leader.key"), secret=False)[0])
+
+    @classmethod
+    def from_secret(cls, secret: bytes, node_rank: int) -> NodeCurve:
+        return cls(*derive_key(secret, f"node-{node_rank}"), derive_key(secret, "leader")[0])
+
+    def to_dict(self) -> dict:
+        """For this node's workers (they get it in their private environment)."""
+        return {"public": self.public.decode(), "secret": self.secret.decode(),
+                "server": self.server_key.decode()}
 
     def client(self, sock: zmq.Socket) -> None:
         """Make ``sock`` a Curve client of the leader; call before connect."""

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
 from .cluster import TOPIC_RPC, ClusterSettings, Leader, port_range, resolve_ip, route_to
-from .curve import curve_dir_from_env
+from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
     Cancelled,
     CodecError,
@@ -549,6 +549,7 @@ class MultiprocExecutor(Executor):
                  nproc_per_node: int | None = None, master_addr: str | None = None,
                  master_port: int | None = None, liveness_s: float | None = None,
                  join_timeout: float = 300.0, curve_dir: str | None = None,
+                 secret: bytes | str | None = None, insecure: bool | None = None,
                  metrics_port: int | None = None,
                  on_join: Callable[[int, int], None] | None = None, **kwargs: Any):
         kwargs.pop("backend", None)
@@ -564,6 +565,11 @@ class MultiprocExecutor(Executor):
         self.join_timeout = join_timeout
         self.on_join = on_join  # (nodes joined, nnodes), as the cluster forms
         self.curve_dir = curve_dir_from_env(curve_dir)
+        # keys derived from one cluster secret (an explicit curve_dir beats ZBUS_SECRET)
+        self.secret = secret_from_env(secret) if secret or not curve_dir else None
+        if self.secret and self.curve_dir:
+            raise ValueError("give a cluster secret or a key folder (curve_dir), not both")
+        self.insecure = os.environ.get("ZBUS_INSECURE") == "1" if insecure is None else insecure
         port = metrics_port or os.environ.get("ZBUS_METRICS_PORT")
         self.metrics_port = int(port) if port else None
         self._metrics_server: Any = None
@@ -589,7 +595,7 @@ class MultiprocExecutor(Executor):
         n, s = self.nproc_per_node, self.settings
         if self.nnodes > 1:
             self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail, self.curve_dir,
-                                  self.metrics, self.status)
+                                  self.metrics, self.status, secret=self.secret, insecure=self.insecure)
             self._bcast = self._leader.bcast
             torch_port = reserve_port(self._leader.bind_ip)
             ifname = route_to(self._leader.bind_ip)[1]

@@ -220,7 +220,7 @@ def main() -> None:
     if "push" in resp:
         from .curve import NodeCurve
 
-        curve = NodeCurve(resp["curve_dir"]) if resp.get("curve_dir") else None
+        curve = NodeCurve(**resp["curve"]) if resp.get("curve") else None
         out: Any = ZmqSender(resp["push"], configure=curve.client if curve else None)
     else:
         out = ShmSender(resp)
