@@ -141,7 +141,6 @@ def test_model_runner_and_grammar_outputs_round_trip(wire):
 def test_the_engine_configuration_round_trips(wire):
     """The VllmConfig that reaches a worker describes the same engine."""
     from vllm import EngineArgs
-
     from vllm_driver import tiny_model
 
     config = EngineArgs(model=tiny_model(), load_format="dummy", skip_tokenizer_init=True,
@@ -158,11 +157,10 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
     """Code never travels, and a name is looked up, never imported. Sabotage: a
     build that imports the module a name gives."""
     import msgpack
+    from vllm.v1.core.sched.output import KVConnectorBlockState
 
     from zbus import codec
     from zbus.errors import CodecError
-
-    from vllm.v1.core.sched.output import KVConnectorBlockState
 
     out = scheduler_output()
     out.kv_connector_block_state = KVConnectorBlockState(
