@@ -135,10 +135,11 @@ def compare(engines: list[tuple[str, Any]], seconds: float, egress: Any = None) 
     return out
 
 
-def rows(case: str, samples: dict[str, dict], zbus: str, base: str) -> list[dict]:
+def rows(case: str, samples: dict[str, dict], base: str) -> list[dict]:
+    """The row of zbus (``samples["zbus"]``) beside vLLM's executor (``samples["mp"]``)."""
     from ..bench import Row, _stats
 
-    z, b = samples[zbus], samples[base]
+    z, b = samples["zbus"], samples["mp"]
     med = lambda xs: statistics.median(xs) * 1e6 if xs else 0.0  # noqa: E731
     extra = {"tokens/s": round(1 / statistics.median(z["step"]), 1),
              "baseline tokens/s": round(1 / statistics.median(b["step"]), 1),
@@ -161,7 +162,7 @@ def one_node(seconds: float) -> list[dict]:
     finally:
         for _, llm in engines:
             llm.llm_engine.engine_core.shutdown()
-    return rows(f"1 node, TP=2: decode step ({TOKENS} tokens a block)", samples, "zbus", "mp")
+    return rows(f"1 node, TP=2: decode step ({TOKENS} tokens a block)", samples, "vLLM mp executor")
 
 
 def two_nodes(seconds: float, iface: str, master_addr: str, port: int) -> list[dict]:
@@ -179,7 +180,7 @@ def two_nodes(seconds: float, iface: str, master_addr: str, port: int) -> list[d
         for llm in (zbus, mp):
             llm.llm_engine.engine_core.shutdown()
     return rows(f"2 nodes x 1 worker, TP=2: decode step ({TOKENS} tokens a block)", samples,
-                "zbus", "vLLM multi-node mp")
+                "vLLM multi-node mp")
 
 
 # vLLM's own headless follower (``vllm serve --headless``), started with this
