@@ -141,7 +141,8 @@ def test_model_runner_and_grammar_outputs_round_trip(wire):
 def test_the_engine_configuration_round_trips(wire):
     """The VllmConfig that reaches a worker describes the same engine."""
     from vllm import EngineArgs
-    from vllm_driver import tiny_model
+
+    from zbus.vllm.bench import tiny_model
 
     config = EngineArgs(model=tiny_model(), load_format="dummy", skip_tokenizer_init=True,
                         tensor_parallel_size=2, enforce_eager=True,

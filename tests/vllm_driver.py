@@ -1,5 +1,5 @@
 """A vLLM engine on a tiny model made here (seeded random weights, no download),
-for the vLLM tests and ``zbus bench vllm``. Prints one JSON line per event.
+for the vLLM tests. Prints one JSON line per event.
 
     python vllm_driver.py BACKEND --tp N [--pp N] [--tokens N] [--prompts N] [--hold]
 
@@ -11,25 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
-    "tie_word_embeddings": False,
-}
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [9, 10, 11, 12, 13, 14], [700, 3]]
-
-
-def tiny_model(layers: int = 2) -> str:
-    path = tempfile.mkdtemp(prefix="zbus-vllm-model-")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(dict(TINY_LLAMA, num_hidden_layers=layers), f)
-    return path
 
 
 def say(**fields) -> None:
@@ -47,6 +31,8 @@ def main() -> None:
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from zbus.vllm.bench import tiny_model
 
     backend = a.backend
     if "." in backend:  # a class: vLLM asks a class, not its name, whether it supports PP
