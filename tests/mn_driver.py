@@ -45,10 +45,12 @@ def relay() -> None:
         before = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent
         for _ in range(n):
             ex.collective_rpc("tensor_len", args=(b"x",), unique_reply_rank=0, timeout=30)
+        ex.collective_rpc("noop", timeout=30)  # every node has had all of them (calls keep order)
         small = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent - before
         before = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent
         for _ in range(n):
             ex.collective_rpc("tensor_len", args=(payload,), unique_reply_rank=0, timeout=30)
+        ex.collective_rpc("noop", timeout=30)
         sent = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent - before
         out(per_broadcast=sent / n, small_per_broadcast=small / n, payload=len(payload))
 

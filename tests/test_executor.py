@@ -276,7 +276,7 @@ def test_shutdown_is_idempotent_and_frees_everything():
     ex.shutdown()
     ex.shutdown()
     assert all(p.poll() == 0 for p in procs)  # asked to stop: clean exit
-    assert zbus_segments() == before
+    assert zbus_segments() - before == set()  # (other processes may remove theirs meanwhile)
     with pytest.raises(zbus.ZbusError, match="shut down"):
         ex.collective_rpc("noop")
 
@@ -316,7 +316,7 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory():
             time.sleep(0.05)
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                        for p in pids)
-        assert zbus_segments() == before
+        assert zbus_segments() - before == set()  # (other processes may remove theirs meanwhile)
     finally:
         end_process(proc)
 
