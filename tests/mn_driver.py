@@ -90,12 +90,17 @@ def blip() -> None:
         out(calls=calls, bad=bad, error=None)
 
 
-def hold() -> None:
+def hold(busy: bool = False) -> None:
+    """Wait to be killed; with ``busy`` every worker is inside a long call."""
     with executor() as ex:
         ex.collective_rpc("noop", timeout=30)
+        if busy:
+            ex.collective_rpc("sleep", args=(120,), non_block=True)
+            time.sleep(0.5)  # the call reaches every worker
         out(ready=True)
         time.sleep(120)
 
 
 if __name__ == "__main__":
-    {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip}[sys.argv[1]]()
+    {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip,
+     "hold_busy": lambda: hold(busy=True)}[sys.argv[1]]()

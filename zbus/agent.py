@@ -86,6 +86,7 @@ class NodeAgent:
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
         self._next_hb = 0.0
+        self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self.liveness_s = self.settings.liveness_s
 
     # --- lifecycle -----------------------------------------------------------------
@@ -98,6 +99,7 @@ class NodeAgent:
             return self._serve()
         except LeaderLost as e:
             log.error("%s: ending this node's workers", e)
+            self._stop_grace = 0.2  # no leader to answer: free the GPUs at once
             return 1
         except ZbusError as e:
             log.error("%s", e)
@@ -222,7 +224,9 @@ class NodeAgent:
         poller.register(self._death_r, zmq.POLLIN)
         while True:
             self._tick()
-            events = dict(poller.poll(int(max(0.0, self._next_hb - time.monotonic()) * 1000) + 1))
+            # wake for the next heartbeat or the moment the leader would be lost
+            wake = min(self._next_hb, self._last_leader + self.liveness_s)
+            events = dict(poller.poll(int(max(0.0, wake - time.monotonic()) * 1000) + 1))
             if self._death_r in events:
                 os.read(self._death_r, 64)
                 self._report_deaths()
@@ -354,7 +358,7 @@ class NodeAgent:
         if self.workers is not None:
             if self.ring is not None:
                 self.ring.abort()  # workers blocked on the ring see it closed at once
-            self.workers.stop(grace=2.0)
+            self.workers.stop(grace=self._stop_grace, term_s=min(2.0, self._stop_grace * 2))
         if self.ring is not None:
             self.ring.close()
         for sock in (self.sub, self.push):

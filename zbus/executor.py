@@ -438,14 +438,15 @@ class LocalWorkers:
                 return False
         return True
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Workers were asked to stop: wait ``grace``, then SIGTERM, then SIGKILL."""
+    def stop(self, grace: float = 5.0, term_s: float = 2.0) -> None:
+        """Workers were asked to stop: wait ``grace``, then SIGTERM and ``term_s``,
+        then SIGKILL."""
         self.stopping = True
         if not self.wait(grace):
             for p in self.procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
-            if not self.wait(2.0):
+            if not self.wait(term_s):
                 self.kill()
         self.close()
 
