@@ -101,6 +101,28 @@ def hold(busy: bool = False) -> None:
         time.sleep(120)
 
 
+def full_ring() -> None:
+    """Node 1's workers hang; 3000 calls follow (the leader's own rings hold them
+    all), more than node 1's ring and its agent's read-ahead (1024) take. Then
+    wait to be killed."""
+    import os
+
+    os.environ["ZBUS_RING"] = "256x8192"  # this node's rings: 8192 small calls in flight
+    with executor() as ex:
+        ex.collective_rpc("noop", timeout=30)
+        ex.collective_rpc("sleep_on_node", args=(1, 600), non_block=True)
+        sent, why = 0, None
+        try:
+            while sent < 3000:
+                ex.collective_rpc("noop", non_block=True, timeout=1)
+                sent += 1
+        except TimeoutError as e:
+            why = str(e)
+        time.sleep(2.0)  # node 1's agent reads ahead what reached it (1024 calls)
+        out(ready=True, sent=sent, why=why)
+        time.sleep(120)
+
+
 if __name__ == "__main__":
     {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip,
-     "hold_busy": lambda: hold(busy=True)}[sys.argv[1]]()
+     "hold_busy": lambda: hold(busy=True), "full_ring": full_ring}[sys.argv[1]]()

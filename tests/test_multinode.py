@@ -169,6 +169,30 @@ def test_leader_sigkill_leaves_no_process_and_no_shared_memory(cluster, scenario
     assert elapsed < LIVENESS + 1
 
 
+def test_follower_with_a_full_ring_ends_when_its_leader_dies(cluster):
+    """Node 1's workers hang and the leader sends until node 1 takes no more
+    (ring and read-ahead full), then is SIGKILLed: node 1's agent, workers and
+    segments are gone within the liveness limit + 1 s. Sabotage: in
+    ``NodeAgent._read_ahead`` count a readable socket with a full backlog as the
+    leader alive (``self._last_leader = time.monotonic()``): node 1 never ends."""
+    followers = start_followers(cluster)
+    proc = driver(cluster, "full_ring")
+    r = read_json(proc, timeout=180)
+    assert r["ready"] and r["sent"] > 1024, r
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGKILL)
+    node1 = cluster.nodes[1]
+    deadline = time.monotonic() + LIVENESS + 5
+    while (node1.pids() or node1.shm_segments()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    elapsed = time.monotonic() - t0
+    print(f"leader SIGKILL with node 1's ring full ({r['sent']} calls sent): node 1 clean after "
+          f"{elapsed:.2f} s (limit {LIVENESS} s)")
+    assert node1.pids() == [] and node1.shm_segments() == []
+    assert elapsed < LIVENESS + 1
+    assert wait_exit(followers, 10) == [1, 1]
+
+
 def test_compose_commands_run_the_demo_across_three_nodes(cluster):
     """The whole compose topology, for real: the leader service's command (the demo
     driver) and the two follower services, each in its own namespaces."""

@@ -13,6 +13,7 @@ command line that does not parse.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import socket
@@ -35,6 +36,7 @@ from .cluster import (
     route_to,
     touch_health,
 )
+from .config import WaitPolicy
 from .curve import NodeCurve, curve_dir_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .executor import LocalWorkers
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 
 BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BYTES)
 BACKLOG_BYTES = 256 * 2**20  # while the ring is full
+FULL_SLICE_S = 0.1  # a relay on a full ring reads ahead and heartbeats this often
+READ_AHEAD_S = 0.02  # how long one read-ahead may wait for more from the leader
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
 RISKY_ENV = ("LD_", "DYLD_", "PYTHON", "ZBUS_")
 
@@ -174,7 +178,9 @@ class NodeAgent:
         from .logs import setup_logging
 
         setup_logging(f"node {self.node_rank}", logging.getLevelName(logging.getLogger().level))
-        self.ring = RingWriter.create(n)
+        policy = WaitPolicy.from_env()
+        policy = dataclasses.replace(policy, slice_s=min(policy.slice_s, FULL_SLICE_S))
+        self.ring = RingWriter.create(n, policy=policy)
         world = welcome["nnodes"] * n
         places = [{"rank": self.node_rank * n + i, "local_rank": i, "world_size": world,
                    "local_world_size": n, "node_rank": self.node_rank} for i in range(n)]
@@ -289,10 +295,11 @@ class NodeAgent:
     def _read_ahead(self) -> None:
         """While a relay waits for slow workers, keep reading what the leader sends
         (bounded), so its heartbeats are seen and this node is not given up."""
-        while self.sub.poll(0, zmq.POLLIN):
+        end = time.monotonic() + READ_AHEAD_S
+        # a short wait: ZeroMQ refills the socket's queue (64 messages) meanwhile
+        while self.sub.poll(max(0, int((end - time.monotonic()) * 1000)), zmq.POLLIN):
             if len(self._backlog) >= BACKLOG_MESSAGES or self._backlog_bytes >= BACKLOG_BYTES:
-                self._last_leader = time.monotonic()  # it is talking; we are the slow ones
-                return
+                return  # unread messages prove nothing: a dead leader's socket stays readable
             frames = self._read()
             self._backlog_bytes += sum(len(f) for f in frames)
             self._backlog.append(frames)
