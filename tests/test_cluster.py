@@ -511,3 +511,30 @@ def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
         push.close(linger=0)
         ctx.term()
         lead.close()
+
+
+def test_a_sustained_burst_of_small_calls_keeps_the_slowest_node_alive():
+    """Non-blocking calls non-stop for 3 x the 2 s liveness limit; node 1's worker is
+    the slowest consumer (5 ms a call), and its agent never sleeps on the full ring
+    (``ZBUS_YIELD_US`` 1 s: it waits by yielding, as under a steady load where space
+    comes back within the yield phase). It still heartbeats on time, so the leader
+    loses no node. Sabotage: heartbeat only from ``NodeAgent._serve``'s outer loop
+    and ``_on_ring_full`` (drop the ``self._tick()`` of the inner loop):
+    ``NodeLostError`` after about 2 s."""
+    port = free_port_pair()
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
+               ZBUS_NPROC_PER_NODE="1", ZBUS_ALLOW_WORKERS="workers", ZBUS_YIELD_US="1000000")
+    proc = subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", "1"], env=env,
+                            stderr=subprocess.DEVNULL)
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            end, calls, last = time.monotonic() + 6.0, 0, None
+            while time.monotonic() < end:
+                last = ex.collective_rpc("sleep_on_node", args=(1, 0.005), non_block=True)
+                calls += 1
+            last.result(timeout=60)
+            ex.check_health()
+            print(f"{calls} calls sent in 6 s, node 1 5 ms per call: no node lost")
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)

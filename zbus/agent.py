@@ -238,6 +238,7 @@ class NodeAgent:
                 self._report_deaths()
             if self.sub in events or self._backlog:
                 while self._backlog or self.sub.poll(0, zmq.POLLIN):
+                    self._tick()  # a sustained stream must not starve the heartbeats
                     frames = self._take()
                     topic = frames[0].bytes
                     if topic == TOPIC_RPC:
