@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import workers
 import zmq
@@ -538,3 +539,31 @@ def test_a_sustained_burst_of_small_calls_keeps_the_slowest_node_alive():
         assert proc.wait(30) == 0
     finally:
         end_process(proc)
+
+
+def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
+    """Node 1's worker is SIGKILLed: the executor fails, and node 2's agent and
+    worker end within a few seconds though the driver never calls ``shutdown``.
+    Sabotage: keep heartbeating after a failure (``hb`` instead of ``failed`` in
+    ``Leader._step``): node 2 holds its worker until the driver shuts down."""
+    port = free_port_pair()
+    procs = [follower(port, "--node-rank", "1"), follower(port, "--node-rank", "2")]
+    try:
+        ex = leader(port, join_timeout=60)
+        try:
+            node2 = [psutil.Process(procs[1].pid), *psutil.Process(procs[1].pid).children()]
+            assert len(node2) == 2  # agent + worker
+            pending = ex.collective_rpc("die", kwargs={"rank": 1}, non_block=True)
+            with pytest.raises(zbus.WorkerDiedError):
+                pending.result(timeout=20)
+            t0 = time.monotonic()
+            gone, alive = psutil.wait_procs(node2, timeout=10)
+            elapsed = time.monotonic() - t0
+            print(f"node 2 ended {elapsed:.2f} s after the executor failed (no shutdown)")
+            assert not alive and elapsed < 3.0
+            assert procs[1].wait(1) == 0
+        finally:
+            ex.shutdown()
+    finally:
+        for p in procs:
+            end_process(p)

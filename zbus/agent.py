@@ -5,9 +5,9 @@ One thread owns both sockets (a SUB to the leader's XPUB, a PUSH to its PULL).
 RPC messages are relayed as the bytes they arrived as: the agent never decodes
 them. Workers answer the leader directly over their own PUSH sockets.
 
-Exit codes: 0 after the leader's ``bye``; 1 when the leader was lost (no heartbeat
-for the liveness limit), this node was refused, or it could not start; 2 for a
-command line that does not parse.
+Exit codes: 0 after the leader's ``bye`` or ``failed`` (the executor failed); 1
+when the leader was lost (no message for the liveness limit), this node was
+refused, or it could not start; 2 for a command line that does not parse.
 """
 
 from __future__ import annotations
@@ -256,6 +256,12 @@ class NodeAgent:
                         elif msg == ["bye"]:
                             log.info("leader said bye: stopping")
                             self.workers.stop(grace=5.0)
+                            return 0
+                        elif type(msg) is list and msg[:1] == ["failed"]:
+                            log.error("the executor failed (%s): ending this node's workers",
+                                      str(msg[1:])[:200])
+                            self.workers.stopping = True  # their exits are no news
+                            self._stop_grace = 0.2  # nobody waits for their results
                             return 0
 
     def _on_probe(self, topic: bytes, msg: Any) -> None:

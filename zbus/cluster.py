@@ -6,7 +6,8 @@ control, leader -> nodes) and ``master_port + 1`` (PULL: joins, heartbeats and
 every remote rank's replies, nodes -> leader). Followers open every connection.
 
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
-ring), ``H`` leader heartbeats, ``stopping`` and the final ``bye``, ``N<node id>``
+ring), ``H`` leader heartbeats (``failed`` instead once the executor failed),
+``stopping`` and the final ``bye``, ``N<node id>``
 control for one node (welcome, reject, or dropped: welcomed, then silent too
 long), ``RP``/``HP`` probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
 ``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
@@ -354,6 +355,7 @@ class Leader:
         self.receivers: dict[int, RemoteReceiver] = {}
         self._on_failure = on_failure
         self.failure: Exception | None = None
+        self._told_failure = False  # the nodes were sent ``failed``
         self.formed = settings.nnodes <= 1
         self._joins: dict[str, dict] = {}
         self._subscribed: set[bytes] = set()
@@ -597,8 +599,13 @@ class Leader:
         """One turn of the I/O loop; the time of the next heartbeat."""
         s = self.settings
         now = time.monotonic()
-        if now >= next_hb:
-            if not self._send(TOPIC_HEARTBEAT, ["hb"], timeout=s.heartbeat_s / 2):
+        tell = self.failure is not None and not self._told_failure
+        if now >= next_hb or tell:
+            # a failed executor says so instead of heartbeating: its nodes free their GPUs
+            hb = ["hb"] if self.failure is None else ["failed", brief(str(self.failure))]
+            if self._send(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
+                self._told_failure = self.failure is not None
+            else:
                 log.warning("heartbeat not sent: a node is not taking messages")
             next_hb = time.monotonic() + s.heartbeat_s
             self._check_liveness(time.monotonic())
@@ -782,6 +789,7 @@ class Leader:
             if self.failure is None:
                 self.failure = error
             self.cond.notify_all()
+        self._wake.set()  # the I/O thread tells the nodes
         self.abort_receivers()
 
     def close(self) -> None:
