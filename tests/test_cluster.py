@@ -567,3 +567,30 @@ def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
     finally:
         for p in procs:
             end_process(p)
+
+
+def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):
+    """A follower with no leader touches ``ZBUS_HEALTH_FILE`` while it waits, so a
+    liveness probe (``nodes/healthy.sh``) does not restart it before the leader
+    comes. Sabotage: no ``touch_health()`` in ``NodeAgent._join``: the file is
+    never made."""
+    health = tmp_path / "health"
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1",
+               ZBUS_MASTER_PORT=str(free_port_pair()), ZBUS_HEALTH_FILE=str(health))
+    proc = subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--join-timeout", "60"],
+                            env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not health.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert health.exists()
+        first = health.stat().st_mtime
+        time.sleep(3.0)  # the agent retries its join every 2 s
+        assert health.stat().st_mtime > first
+        assert proc.poll() is None
+        healthy = os.path.join(TEST_PATH.split(os.pathsep)[0], "nodes", "healthy.sh")
+        ok = subprocess.run([healthy, "15"], env=env)
+        assert ok.returncode == 0
+    finally:
+        proc.terminate()
+        end_process(proc)

@@ -122,6 +122,7 @@ class NodeAgent:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("%s; retrying", e)
+                touch_health()  # waiting for the leader is healthy: no probe may restart us
                 time.sleep(1.0)
         self.sub = self.ctx.socket(zmq.SUB)
         self.push = self.ctx.socket(zmq.PUSH)
@@ -155,6 +156,7 @@ class NodeAgent:
         next_try, tries = 0.0, 0
         while time.monotonic() < deadline:
             if time.monotonic() >= next_try:
+                touch_health()  # waiting to join is healthy (a liveness probe checks the file)
                 if tries:
                     log.warning("waiting for the leader at %s:%d (%.0f s left)", self.settings.master_addr,
                                 self.settings.master_port, deadline - time.monotonic())
