@@ -123,6 +123,49 @@ def full_ring() -> None:
         time.sleep(120)
 
 
+def reset() -> None:
+    """Calls without a timeout, 16 in flight, non-stop for 6 s while the test
+    resets node 2's connections. Reports the longest wait for one call; one
+    past the liveness limit + 3 s counts as a hang (then exits at once)."""
+    import os
+    import threading
+
+    with executor() as ex:
+        ex.collective_rpc("noop", timeout=30)
+        out(ready=True)
+        st = {"calls": 0, "error": None, "waiting": None, "longest": 0.0, "done": False}
+
+        def run() -> None:
+            pending = []
+            try:
+                end = time.monotonic() + 6
+                while time.monotonic() < end:
+                    pending.append(ex.collective_rpc("crc", args=(st["calls"], b"x" * 50_000),
+                                                     non_block=True))
+                    st["calls"] += 1
+                    if len(pending) >= 16:
+                        st["waiting"] = t0 = time.monotonic()
+                        pending.pop(0).result()  # no timeout: a lost call would hang here
+                        st["longest"] = max(st["longest"], time.monotonic() - t0)
+                        st["waiting"] = None
+            except zbus.ZbusError as e:
+                st["longest"] = max(st["longest"], time.monotonic() - (st["waiting"] or time.monotonic()))
+                st["error"] = e
+            st["done"] = True
+
+        threading.Thread(target=run, daemon=True).start()
+        hung = False
+        while not st["done"] and not hung:
+            time.sleep(0.05)
+            hung = st["waiting"] is not None and time.monotonic() - st["waiting"] > 6.0
+        e = st["error"]
+        out(calls=st["calls"], hung=hung, longest=st["longest"], error=type(e).__name__ if e else None,
+            node_rank=getattr(e, "node_rank", None), message=str(e) if e else None)
+        if hung:
+            os._exit(0)
+
+
 if __name__ == "__main__":
     {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip,
-     "hold_busy": lambda: hold(busy=True), "full_ring": full_ring}[sys.argv[1]]()
+     "hold_busy": lambda: hold(busy=True), "full_ring": full_ring,
+     "reset": reset}[sys.argv[1]]()

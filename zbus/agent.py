@@ -255,6 +255,8 @@ class NodeAgent:
                         msg = self._decode(frames[1:])
                         if msg == ["stopping"]:
                             self.workers.stopping = True
+                        elif type(msg) is list and len(msg) == 2 and msg[0] == "hb":
+                            self._check_sent(msg[1])
                         elif msg == ["bye"]:
                             log.info("leader said bye: stopping")
                             self.workers.stop(grace=5.0)
@@ -293,6 +295,16 @@ class NodeAgent:
             raise ZbusError(f"calls {self._last_seq + 1}..{head[1] - 1} never arrived (a reset "
                             "connection?): leaving the cluster")
         self._last_seq = head[1]
+
+    def _check_sent(self, sent: Any) -> None:
+        """A heartbeat names the last call the leader sent, and comes after it:
+        a higher number than we saw means calls were lost with no next call to
+        show it (a reset connection); their callers would wait forever."""
+        seen = self._last_seq or 0
+        if type(sent) is int and sent > seen:
+            self._send(["gap", self.node_rank, seen + 1, sent + 1], timeout=1.0)
+            raise ZbusError(f"calls {seen + 1}..{sent} never arrived (a reset connection?): "
+                            "leaving the cluster")
 
     def _take(self) -> list:
         if not self._backlog:

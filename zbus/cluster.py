@@ -6,7 +6,8 @@ control, leader -> nodes) and ``master_port + 1`` (PULL: joins, heartbeats and
 every remote rank's replies, nodes -> leader). Followers open every connection.
 
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
-ring), ``H`` leader heartbeats (``failed`` instead once the executor failed),
+ring), ``H`` leader heartbeats ``["hb", last call number sent]`` (``failed``
+instead once the executor failed),
 ``stopping`` and the final ``bye``, ``N<node id>``
 control for one node (welcome, reject, or dropped: welcomed, then silent too
 long), ``RP``/``HP`` probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
@@ -356,6 +357,7 @@ class Leader:
         self._on_failure = on_failure
         self.failure: Exception | None = None
         self._told_failure = False  # the nodes were sent ``failed``
+        self.sent_seq = 0  # the last call number queued for the nodes (set by the executor)
         self.formed = settings.nnodes <= 1
         self._joins: dict[str, dict] = {}
         self._subscribed: set[bytes] = set()
@@ -602,7 +604,7 @@ class Leader:
         tell = self.failure is not None and not self._told_failure
         if now >= next_hb or tell:
             # a failed executor says so instead of heartbeating: its nodes free their GPUs
-            hb = ["hb"] if self.failure is None else ["failed", brief(str(self.failure))]
+            hb = ["hb", self.sent_seq] if self.failure is None else ["failed", brief(str(self.failure))]
             if self._send(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
                 self._told_failure = self.failure is not None
             else:

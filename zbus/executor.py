@@ -732,7 +732,19 @@ class MultiprocExecutor(Executor):
         """One call to every rank: the local ring, and one copy per follower node."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
-        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock)
+        try:
+            self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock)
+        except SendTimeout as e:
+            if e.queued:  # the nodes have it
+                self._sent_to_nodes()
+            raise
+        self._sent_to_nodes()
+
+    def _sent_to_nodes(self) -> None:
+        """Heartbeats carry the last call number sent, so a node that lost calls
+        in a reset connection finds out without waiting for a next call."""
+        if self._leader is not None:
+            self._leader.sent_seq = self._seq
 
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets
