@@ -124,30 +124,40 @@ def full_ring() -> None:
 
 
 def reset() -> None:
-    """Calls without a timeout, 16 in flight, non-stop for 6 s while the test
-    resets node 2's connections. Reports the longest wait for one call; one
-    past the liveness limit + 3 s counts as a hang (then exits at once)."""
+    """Checksummed calls without a timeout, 16 in flight, non-stop for 6 s while
+    the test resets node 2's connections. Reports the replies that were wrong and
+    the longest wait for one call; one past 6 s counts as a hang (then exits at
+    once)."""
     import os
     import threading
+    import zlib
 
     with executor() as ex:
         ex.collective_rpc("noop", timeout=30)
         out(ready=True)
-        st = {"calls": 0, "error": None, "waiting": None, "longest": 0.0, "done": False}
+        st = {"calls": 0, "bad": 0, "error": None, "waiting": None, "longest": 0.0, "done": False}
+
+        def check(call: tuple) -> None:
+            i, payload, fut = call
+            st["waiting"] = t0 = time.monotonic()
+            replies = fut.result()  # no timeout: a lost call would hang here
+            st["longest"] = max(st["longest"], time.monotonic() - t0)
+            st["waiting"] = None
+            st["bad"] += sum(tuple(r) != (i, zlib.crc32(payload)) for r in replies)
 
         def run() -> None:
             pending = []
             try:
                 end = time.monotonic() + 6
                 while time.monotonic() < end:
-                    pending.append(ex.collective_rpc("crc", args=(st["calls"], b"x" * 50_000),
-                                                     non_block=True))
+                    i = st["calls"]
+                    payload = i.to_bytes(4, "little") * 12_500  # 50 kB, its own per call
+                    pending.append((i, payload, ex.collective_rpc("crc", args=(i, payload), non_block=True)))
                     st["calls"] += 1
                     if len(pending) >= 16:
-                        st["waiting"] = t0 = time.monotonic()
-                        pending.pop(0).result()  # no timeout: a lost call would hang here
-                        st["longest"] = max(st["longest"], time.monotonic() - t0)
-                        st["waiting"] = None
+                        check(pending.pop(0))
+                while pending:
+                    check(pending.pop(0))
             except zbus.ZbusError as e:
                 st["longest"] = max(st["longest"], time.monotonic() - (st["waiting"] or time.monotonic()))
                 st["error"] = e
@@ -159,8 +169,9 @@ def reset() -> None:
             time.sleep(0.05)
             hung = st["waiting"] is not None and time.monotonic() - st["waiting"] > 6.0
         e = st["error"]
-        out(calls=st["calls"], hung=hung, longest=st["longest"], error=type(e).__name__ if e else None,
-            node_rank=getattr(e, "node_rank", None), message=str(e) if e else None)
+        out(calls=st["calls"], bad=st["bad"], hung=hung, longest=st["longest"],
+            error=type(e).__name__ if e else None, node_rank=getattr(e, "node_rank", None),
+            message=str(e) if e else None)
         if hung:
             os._exit(0)
 

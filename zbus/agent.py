@@ -85,7 +85,8 @@ class NodeAgent:
         self._deaths: list[tuple[int, int | None]] = []
         self._backlog: collections.deque = collections.deque()
         self._backlog_bytes = 0
-        self._last_seq: int | None = None
+        self._last_seq = 0  # calls start at 1, once every node joined
+        self._gap: dict | None = None  # calls lost in a reset connection, being sent again
         self._probes_seen: set[bytes] | None = set()
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
@@ -247,6 +248,8 @@ class NodeAgent:
                         self._relay([f.buffer for f in frames[1:]])
                     elif topic in PROBE_TOPICS:
                         self._on_probe(topic, self._decode(frames[1:]))
+                    elif topic == node_topic(self.node_id) + TOPIC_RPC:  # calls sent again
+                        self._relay([f.buffer for f in frames[1:]])
                     elif topic == node_topic(self.node_id):
                         msg = self._decode(frames[1:])
                         if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
@@ -281,30 +284,32 @@ class NodeAgent:
         self._last_leader = time.monotonic()
         return frames
 
-    def _check_sequence(self, envelope: Any) -> None:
-        """Calls arrive numbered 1, 2, 3...: a gap means a reset connection lost
-        some (ZeroMQ reconnects silently), so this node can no longer be trusted."""
-        try:
-            head = protocol.read_envelope(envelope)
-        except CodecError:  # not a call envelope: the workers judge it
-            return
-        if head[0] != protocol.CALL:
-            return
-        if self._last_seq is not None and head[1] != self._last_seq + 1:
-            self._send(["gap", self.node_rank, self._last_seq + 1, head[1]], timeout=1.0)
-            raise ZbusError(f"calls {self._last_seq + 1}..{head[1] - 1} never arrived (a reset "
-                            "connection?): leaving the cluster")
-        self._last_seq = head[1]
-
     def _check_sent(self, sent: Any) -> None:
         """A heartbeat names the last call the leader sent, and comes after it:
         a higher number than we saw means calls were lost with no next call to
         show it (a reset connection); their callers would wait forever."""
-        seen = self._last_seq or 0
-        if type(sent) is int and sent > seen:
-            self._send(["gap", self.node_rank, seen + 1, sent + 1], timeout=1.0)
-            raise ZbusError(f"calls {seen + 1}..{sent} never arrived (a reset connection?): "
-                            "leaving the cluster")
+        if type(sent) is int and sent > self._last_seq and self._gap is None:
+            self._start_gap(sent + 1)
+
+    def _start_gap(self, upto: int) -> None:
+        """Calls after ``_last_seq`` and before ``upto`` never arrived (ZeroMQ drops
+        what a reset connection held): ask the leader to send them again on our
+        node topic, holding the later calls meanwhile; give up after the limit."""
+        now = time.monotonic()
+        self._gap = {"upto": upto, "held": collections.deque(), "until": now + self.liveness_s, "ask": now}
+        log.warning("calls %d..%d never arrived (a reset connection?): asking for them again",
+                    self._last_seq + 1, upto - 1)
+        self._ask_again()
+
+    def _ask_again(self) -> None:
+        """(Again, every 0.5 s: the request or the answer may be lost too.)"""
+        gap = self._gap
+        if time.monotonic() > gap["until"]:
+            raise ZbusError(f"calls {self._last_seq + 1}..{gap['upto'] - 1} never arrived (a reset "
+                            "connection?): leaving the cluster")
+        if time.monotonic() >= gap["ask"]:
+            self._send(["gap", self.node_rank, self._last_seq + 1, gap["upto"]], timeout=0.1)
+            gap["ask"] = time.monotonic() + 0.5
 
     def _take(self) -> list:
         if not self._backlog:
@@ -326,7 +331,35 @@ class NodeAgent:
             self._backlog.append(frames)
 
     def _relay(self, frames: list) -> None:
-        self._check_sequence(frames[0])
+        """Relay calls in number order: a call sent again that we have is dropped;
+        one after a gap waits until the gap is filled."""
+        seq = _call_seq(frames[0])
+        if seq is not None and seq <= self._last_seq:
+            return
+        if seq is not None and seq != self._last_seq + 1:
+            if self._gap is None:
+                self._start_gap(seq)
+            if len(self._gap["held"]) >= BACKLOG_MESSAGES:
+                raise ZbusError("too many calls held while lost ones are sent again: leaving the cluster")
+            self._gap["held"].append((seq, frames))
+            return
+        self._write(frames)
+        if seq is not None:
+            self._last_seq = seq
+        self._release_held()
+
+    def _release_held(self) -> None:
+        gap = self._gap
+        while gap is not None and gap["held"] and gap["held"][0][0] <= self._last_seq + 1:
+            seq, frames = gap["held"].popleft()
+            if seq == self._last_seq + 1:
+                self._write(frames)
+                self._last_seq = seq
+        if gap is not None and not gap["held"] and self._last_seq >= gap["upto"] - 1:
+            log.warning("the lost calls arrived again: going on")
+            self._gap = None
+
+    def _write(self, frames: list) -> None:
         try:
             self.ring.send(frames, on_full=self._on_ring_full)
         except (RingClosed, Cancelled) as e:
@@ -342,6 +375,8 @@ class NodeAgent:
     def _tick(self) -> None:
         """Heartbeat the leader and check that it is alive; runs from the main loop
         and while a relay waits for slow workers."""
+        if self._gap is not None:
+            self._ask_again()
         now = time.monotonic()
         if now - self._last_leader > self.liveness_s:
             raise LeaderLost(f"leader {self.settings.master_addr} lost: no heartbeat for "
@@ -395,6 +430,15 @@ class NodeAgent:
         self.ctx.term()
         os.close(self._death_r)
         os.close(self._death_w)
+
+
+def _call_seq(envelope: Any) -> int | None:
+    """A call's number, or None for anything else (the workers judge it)."""
+    try:
+        head = protocol.read_envelope(envelope)
+    except CodecError:
+        return None
+    return head[1] if head[0] == protocol.CALL else None
 
 
 def run_follower(**kwargs: Any) -> int:

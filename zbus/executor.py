@@ -736,15 +736,16 @@ class MultiprocExecutor(Executor):
             self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock)
         except SendTimeout as e:
             if e.queued:  # the nodes have it
-                self._sent_to_nodes()
+                self._sent_to_nodes(frames)
             raise
-        self._sent_to_nodes()
+        self._sent_to_nodes(frames)
 
-    def _sent_to_nodes(self) -> None:
-        """Heartbeats carry the last call number sent, so a node that lost calls
-        in a reset connection finds out without waiting for a next call."""
+    def _sent_to_nodes(self, frames: list) -> None:
+        """Heartbeats carry the last call number sent, so a node that lost calls in
+        a reset connection finds out without waiting for a next call, and asks
+        for them again."""
         if self._leader is not None:
-            self._leader.sent_seq = self._seq
+            self._leader.sent(self._seq, frames)
 
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets
