@@ -7,9 +7,8 @@ every remote rank's replies, nodes -> leader). Followers open every connection.
 
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
 ring), ``H`` leader heartbeats ``["hb", last call number sent]`` (``failed``
-instead once the executor failed),
-``stopping`` and the final ``bye``, ``N<node id>``
-control for one node (welcome, reject, or dropped: welcomed, then silent too
+instead once the executor failed), ``stopping`` and the final ``bye``,
+``N<node id>`` control for one node (welcome, reject, or dropped: welcomed, then silent too
 long), ``N<node id>R`` calls sent again to a node that lost them, ``RP``/``HP``
 probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
 ``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
