@@ -92,12 +92,93 @@ def blip() -> None:
         out(calls=calls, bad=bad, error=None)
 
 
-def hold() -> None:
+def hold(busy: bool = False) -> None:
+    """Wait to be killed; with ``busy`` every worker is inside a long call."""
     with executor() as ex:
         ex.collective_rpc("noop", timeout=30)
+        if busy:
+            ex.collective_rpc("sleep", args=(120,), non_block=True)
+            time.sleep(0.5)  # the call reaches every worker
         out(ready=True)
         time.sleep(120)
 
 
+def full_ring() -> None:
+    """Node 1's workers hang; 3000 calls follow (the leader's own rings hold them
+    all), more than node 1's ring and its agent's read-ahead (1024) take. Then
+    wait to be killed."""
+    import os
+
+    os.environ["ZBUS_RING"] = "256x8192"  # this node's rings: 8192 small calls in flight
+    with executor() as ex:
+        ex.collective_rpc("noop", timeout=30)
+        ex.collective_rpc("sleep_on_node", args=(1, 600), non_block=True)
+        sent, why = 0, None
+        try:
+            while sent < 3000:
+                ex.collective_rpc("noop", non_block=True, timeout=1)
+                sent += 1
+        except TimeoutError as e:
+            why = str(e)
+        time.sleep(2.0)  # node 1's agent reads ahead what reached it (1024 calls)
+        out(ready=True, sent=sent, why=why)
+        time.sleep(120)
+
+
+def reset() -> None:
+    """Checksummed calls without a timeout, 16 in flight, non-stop for 6 s while
+    the test resets node 2's connections. Reports the replies that were wrong and
+    the longest wait for one call; one past 6 s counts as a hang (then exits at
+    once)."""
+    import os
+    import threading
+    import zlib
+
+    with executor() as ex:
+        ex.collective_rpc("noop", timeout=30)
+        out(ready=True)
+        st = {"calls": 0, "bad": 0, "error": None, "waiting": None, "longest": 0.0, "done": False}
+
+        def check(call: tuple) -> None:
+            i, payload, fut = call
+            st["waiting"] = t0 = time.monotonic()
+            replies = fut.result()  # no timeout: a lost call would hang here
+            st["longest"] = max(st["longest"], time.monotonic() - t0)
+            st["waiting"] = None
+            st["bad"] += sum(tuple(r) != (i, zlib.crc32(payload)) for r in replies)
+
+        def run() -> None:
+            pending = []
+            try:
+                end = time.monotonic() + 6
+                while time.monotonic() < end:
+                    i = st["calls"]
+                    payload = i.to_bytes(4, "little") * 12_500  # 50 kB, its own per call
+                    pending.append((i, payload, ex.collective_rpc("crc", args=(i, payload), non_block=True)))
+                    st["calls"] += 1
+                    if len(pending) >= 16:
+                        check(pending.pop(0))
+                while pending:
+                    check(pending.pop(0))
+            except zbus.ZbusError as e:
+                st["longest"] = max(st["longest"], time.monotonic() - (st["waiting"] or time.monotonic()))
+                st["error"] = e
+            st["done"] = True
+
+        threading.Thread(target=run, daemon=True).start()
+        hung = False
+        while not st["done"] and not hung:
+            time.sleep(0.05)
+            hung = st["waiting"] is not None and time.monotonic() - st["waiting"] > 6.0
+        e = st["error"]
+        out(calls=st["calls"], bad=st["bad"], hung=hung, longest=st["longest"],
+            error=type(e).__name__ if e else None, node_rank=getattr(e, "node_rank", None),
+            message=str(e) if e else None)
+        if hung:
+            os._exit(0)
+
+
 if __name__ == "__main__":
-    {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip}[sys.argv[1]]()
+    {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip,
+     "hold_busy": lambda: hold(busy=True), "full_ring": full_ring,
+     "reset": reset}[sys.argv[1]]()

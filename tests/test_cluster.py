@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import workers
 import zmq
@@ -518,3 +519,85 @@ def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
         push.close(linger=0)
         ctx.term()
         lead.close()
+
+
+def test_a_sustained_burst_of_small_calls_keeps_the_slowest_node_alive():
+    """Non-blocking calls non-stop for 3 x the 2 s liveness limit; node 1's worker is
+    the slowest consumer (5 ms a call), and its agent never sleeps on the full ring
+    (``ZBUS_YIELD_US`` 1 s: it waits by yielding, as under a steady load where space
+    comes back within the yield phase). It still heartbeats on time, so the leader
+    loses no node. Sabotage: heartbeat only from ``NodeAgent._serve``'s outer loop
+    and ``_on_ring_full`` (drop the ``self._tick()`` of the inner loop):
+    ``NodeLostError`` after about 2 s."""
+    port = free_port_pair()
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
+               ZBUS_NPROC_PER_NODE="1", ZBUS_ALLOW_WORKERS="workers", ZBUS_YIELD_US="1000000")
+    proc = subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", "1"], env=env,
+                            stderr=subprocess.DEVNULL)
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            end, calls, last = time.monotonic() + 6.0, 0, None
+            while time.monotonic() < end:
+                last = ex.collective_rpc("sleep_on_node", args=(1, 0.005), non_block=True)
+                calls += 1
+            last.result(timeout=60)
+            ex.check_health()
+            print(f"{calls} calls sent in 6 s, node 1 5 ms per call: no node lost")
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
+def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
+    """Node 1's worker is SIGKILLed: the executor fails, and node 2's agent and
+    worker end within a few seconds though the driver never calls ``shutdown``.
+    Sabotage: keep heartbeating after a failure (``hb`` instead of ``failed`` in
+    ``Leader._step``): node 2 holds its worker until the driver shuts down."""
+    port = free_port_pair()
+    procs = [follower(port, "--node-rank", "1"), follower(port, "--node-rank", "2")]
+    try:
+        ex = leader(port, join_timeout=60)
+        try:
+            node2 = [psutil.Process(procs[1].pid), *psutil.Process(procs[1].pid).children()]
+            assert len(node2) == 2  # agent + worker
+            pending = ex.collective_rpc("die", kwargs={"rank": 1}, non_block=True)
+            with pytest.raises(zbus.WorkerDiedError):
+                pending.result(timeout=20)
+            t0 = time.monotonic()
+            gone, alive = psutil.wait_procs(node2, timeout=10)
+            elapsed = time.monotonic() - t0
+            print(f"node 2 ended {elapsed:.2f} s after the executor failed (no shutdown)")
+            assert not alive and elapsed < 3.0
+            assert procs[1].wait(1) == 0
+        finally:
+            ex.shutdown()
+    finally:
+        for p in procs:
+            end_process(p)
+
+
+def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):
+    """A follower with no leader touches ``ZBUS_HEALTH_FILE`` while it waits, so a
+    liveness probe (``nodes/healthy.sh``) does not restart it before the leader
+    comes. Sabotage: no ``touch_health()`` in ``NodeAgent._join``: the file is
+    never made."""
+    health = tmp_path / "health"
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1",
+               ZBUS_MASTER_PORT=str(free_port_pair()), ZBUS_HEALTH_FILE=str(health))
+    proc = subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--join-timeout", "60"],
+                            env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not health.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert health.exists()
+        first = health.stat().st_mtime
+        time.sleep(3.0)  # the agent retries its join every 2 s
+        assert health.stat().st_mtime > first
+        assert proc.poll() is None
+        healthy = os.path.join(TEST_PATH.split(os.pathsep)[0], "nodes", "healthy.sh")
+        ok = subprocess.run([healthy, "15"], env=env)
+        assert ok.returncode == 0
+    finally:
+        proc.terminate()
+        end_process(proc)

@@ -51,6 +51,12 @@ class EchoWorker(zbus.Worker):
         time.sleep(seconds)
         return self.rank
 
+    def sleep_on_node(self, node_rank, seconds):
+        """Sleep on one node's workers only; the others answer at once."""
+        if self.node_rank == node_rank:
+            time.sleep(seconds)
+        return self.rank
+
     def stubborn_sleep(self, seconds):
         """Sleep deaf to SIGTERM, as a worker stuck in native code: it ends by SIGKILL,
         without closing its rings."""

@@ -5,14 +5,15 @@ One thread owns both sockets (a SUB to the leader's XPUB, a PUSH to its PULL).
 RPC messages are relayed as the bytes they arrived as: the agent never decodes
 them. Workers answer the leader directly over their own PUSH sockets.
 
-Exit codes: 0 after the leader's ``bye``; 1 when the leader was lost (no heartbeat
-for the liveness limit), this node was refused, or it could not start; 2 for a
-command line that does not parse.
+Exit codes: 0 after the leader's ``bye`` or ``failed`` (the executor failed); 1
+when the leader was lost (no message for the liveness limit), this node was
+refused, or it could not start; 2 for a command line that does not parse.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import socket
@@ -36,6 +37,7 @@ from .cluster import (
     route_to,
     touch_health,
 )
+from .config import WaitPolicy
 from .curve import NodeCurve, curve_dir_from_env, secret_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .executor import LocalWorkers
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BYTES)
 BACKLOG_BYTES = 256 * 2**20  # while the ring is full
+FULL_SLICE_S = 0.1  # a relay on a full ring reads ahead and heartbeats this often
+READ_AHEAD_S = 0.02  # how long one read-ahead may wait for more from the leader
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
 # env= from an unauthenticated leader: only tuning knobs pass (an allow-list), and
 # none whose name suggests a path, plugin, file, proxy or download source.
@@ -60,6 +64,8 @@ def safe_env_name(name: str) -> bool:
     """Whether an unauthenticated leader may set ``name`` in this node's workers."""
     allowed = name in SAFE_ENV_NAMES or name.startswith(SAFE_ENV_PREFIXES)
     return allowed and not any(word in name for word in UNSAFE_ENV_WORDS)
+
+
 LIVENESS_RANGE_S = (0.5, 600.0)  # a welcome's liveness limit must lie in here
 MAX_NNODES = 4096
 MAX_TEXT = 1024  # longest address or worker path a welcome may carry
@@ -138,11 +144,13 @@ class NodeAgent:
         self._deaths: list[tuple[int, int | None]] = []
         self._backlog: collections.deque = collections.deque()
         self._backlog_bytes = 0
-        self._last_seq: int | None = None
+        self._last_seq = 0  # calls start at 1, once every node joined
+        self._gap: dict | None = None  # calls lost in a reset connection, being sent again
         self._probes_seen: set[bytes] | None = set()
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
         self._next_hb = 0.0
+        self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self.liveness_s = self.settings.liveness_s
 
     def _keys(self, curve_dir: str | None, secret: bytes | None) -> NodeCurve | None:
@@ -167,6 +175,7 @@ class NodeAgent:
             return self._serve()
         except LeaderLost as e:
             log.error("%s: ending this node's workers", e)
+            self._stop_grace = 0.2  # no leader to answer: free the GPUs at once
             return 1
         except ZbusError as e:
             log.error("%s", e)
@@ -185,6 +194,7 @@ class NodeAgent:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("%s; retrying", e)
+                touch_health()  # waiting for the leader is healthy: no probe may restart us
                 time.sleep(1.0)
         self.sub = self.ctx.socket(zmq.SUB)
         self.push = self.ctx.socket(zmq.PUSH)
@@ -218,6 +228,7 @@ class NodeAgent:
         next_try, tries = 0.0, 0
         while time.monotonic() < deadline:
             if time.monotonic() >= next_try:
+                touch_health()  # waiting to join is healthy (a liveness probe checks the file)
                 if tries:
                     log.warning("waiting for the leader at %s:%d (%.0f s left)", self.settings.master_addr,
                                 self.settings.master_port, deadline - time.monotonic())
@@ -250,7 +261,9 @@ class NodeAgent:
         from .logs import setup_logging
 
         setup_logging(f"node {self.node_rank}", logging.getLevelName(logging.getLogger().level))
-        self.ring = RingWriter.create(n)
+        policy = WaitPolicy.from_env()
+        policy = dataclasses.replace(policy, slice_s=min(policy.slice_s, FULL_SLICE_S))
+        self.ring = RingWriter.create(n, policy=policy)
         world = welcome["nnodes"] * n
         places = [{"rank": self.node_rank * n + i, "local_rank": i, "world_size": world,
                    "local_world_size": n, "node_rank": self.node_rank} for i in range(n)]
@@ -300,18 +313,23 @@ class NodeAgent:
         poller.register(self._death_r, zmq.POLLIN)
         while True:
             self._tick()
-            events = dict(poller.poll(int(max(0.0, self._next_hb - time.monotonic()) * 1000) + 1))
+            # wake for the next heartbeat or the moment the leader would be lost
+            wake = min(self._next_hb, self._last_leader + self.liveness_s)
+            events = dict(poller.poll(int(max(0.0, wake - time.monotonic()) * 1000) + 1))
             if self._death_r in events:
                 os.read(self._death_r, 64)
                 self._report_deaths()
             if self.sub in events or self._backlog:
                 while self._backlog or self.sub.poll(0, zmq.POLLIN):
+                    self._tick()  # a sustained stream must not starve the heartbeats
                     frames = self._take()
                     topic = frames[0].bytes
                     if topic == TOPIC_RPC:
                         self._relay([f.buffer for f in frames[1:]])
                     elif topic in PROBE_TOPICS:
                         self._on_probe(topic, self._decode(frames[1:]))
+                    elif topic == node_topic(self.node_id) + TOPIC_RPC:  # calls sent again
+                        self._relay([f.buffer for f in frames[1:]])
                     elif topic == node_topic(self.node_id):
                         msg = self._decode(frames[1:])
                         if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
@@ -320,9 +338,17 @@ class NodeAgent:
                         msg = self._decode(frames[1:])
                         if msg == ["stopping"]:
                             self.workers.stopping = True
+                        elif type(msg) is list and len(msg) == 2 and msg[0] == "hb":
+                            self._check_sent(msg[1])
                         elif msg == ["bye"]:
                             log.info("leader said bye: stopping")
                             self.workers.stop(grace=5.0)
+                            return 0
+                        elif type(msg) is list and msg[:1] == ["failed"]:
+                            log.error("the executor failed (%s): ending this node's workers",
+                                      str(msg[1:])[:200])
+                            self.workers.stopping = True  # their exits are no news
+                            self._stop_grace = 0.2  # nobody waits for their results
                             return 0
 
     def _on_probe(self, topic: bytes, msg: Any) -> None:
@@ -338,20 +364,32 @@ class NodeAgent:
         self._last_leader = time.monotonic()
         return frames
 
-    def _check_sequence(self, envelope: Any) -> None:
-        """Calls arrive numbered 1, 2, 3...: a gap means a reset connection lost
-        some (ZeroMQ reconnects silently), so this node can no longer be trusted."""
-        try:
-            head = protocol.read_envelope(envelope)
-        except CodecError:  # not a call envelope: the workers judge it
-            return
-        if head[0] != protocol.CALL:
-            return
-        if self._last_seq is not None and head[1] != self._last_seq + 1:
-            self._send(["gap", self.node_rank, self._last_seq + 1, head[1]], timeout=1.0)
-            raise ZbusError(f"calls {self._last_seq + 1}..{head[1] - 1} never arrived (a reset "
+    def _check_sent(self, sent: Any) -> None:
+        """A heartbeat names the last call the leader sent, and comes after it:
+        a higher number than we saw means calls were lost with no next call to
+        show it (a reset connection); their callers would wait forever."""
+        if type(sent) is int and sent > self._last_seq and self._gap is None:
+            self._start_gap(sent + 1)
+
+    def _start_gap(self, upto: int) -> None:
+        """Calls after ``_last_seq`` and before ``upto`` never arrived (ZeroMQ drops
+        what a reset connection held): ask the leader to send them again on our
+        node topic, holding the later calls meanwhile; give up after the limit."""
+        now = time.monotonic()
+        self._gap = {"upto": upto, "held": collections.deque(), "until": now + self.liveness_s, "ask": now}
+        log.warning("calls %d..%d never arrived (a reset connection?): asking for them again",
+                    self._last_seq + 1, upto - 1)
+        self._ask_again()
+
+    def _ask_again(self) -> None:
+        """(Again, every 0.5 s: the request or the answer may be lost too.)"""
+        gap = self._gap
+        if time.monotonic() > gap["until"]:
+            raise ZbusError(f"calls {self._last_seq + 1}..{gap['upto'] - 1} never arrived (a reset "
                             "connection?): leaving the cluster")
-        self._last_seq = head[1]
+        if time.monotonic() >= gap["ask"]:
+            self._send(["gap", self.node_rank, self._last_seq + 1, gap["upto"]], timeout=0.1)
+            gap["ask"] = time.monotonic() + 0.5
 
     def _take(self) -> list:
         if not self._backlog:
@@ -363,16 +401,45 @@ class NodeAgent:
     def _read_ahead(self) -> None:
         """While a relay waits for slow workers, keep reading what the leader sends
         (bounded), so its heartbeats are seen and this node is not given up."""
-        while self.sub.poll(0, zmq.POLLIN):
+        end = time.monotonic() + READ_AHEAD_S
+        # a short wait: ZeroMQ refills the socket's queue (64 messages) meanwhile
+        while self.sub.poll(max(0, int((end - time.monotonic()) * 1000)), zmq.POLLIN):
             if len(self._backlog) >= BACKLOG_MESSAGES or self._backlog_bytes >= BACKLOG_BYTES:
-                self._last_leader = time.monotonic()  # it is talking; we are the slow ones
-                return
+                return  # unread messages prove nothing: a dead leader's socket stays readable
             frames = self._read()
             self._backlog_bytes += sum(len(f) for f in frames)
             self._backlog.append(frames)
 
     def _relay(self, frames: list) -> None:
-        self._check_sequence(frames[0])
+        """Relay calls in number order: a call sent again that we have is dropped;
+        one after a gap waits until the gap is filled."""
+        seq = _call_seq(frames[0])
+        if seq is not None and seq <= self._last_seq:
+            return
+        if seq is not None and seq != self._last_seq + 1:
+            if self._gap is None:
+                self._start_gap(seq)
+            if len(self._gap["held"]) >= BACKLOG_MESSAGES:
+                raise ZbusError("too many calls held while lost ones are sent again: leaving the cluster")
+            self._gap["held"].append((seq, frames))
+            return
+        self._write(frames)
+        if seq is not None:
+            self._last_seq = seq
+        self._release_held()
+
+    def _release_held(self) -> None:
+        gap = self._gap
+        while gap is not None and gap["held"] and gap["held"][0][0] <= self._last_seq + 1:
+            seq, frames = gap["held"].popleft()
+            if seq == self._last_seq + 1:
+                self._write(frames)
+                self._last_seq = seq
+        if gap is not None and not gap["held"] and self._last_seq >= gap["upto"] - 1:
+            log.warning("the lost calls arrived again: going on")
+            self._gap = None
+
+    def _write(self, frames: list) -> None:
         try:
             self.ring.send(frames, on_full=self._on_ring_full)
         except (RingClosed, Cancelled) as e:
@@ -388,6 +455,8 @@ class NodeAgent:
     def _tick(self) -> None:
         """Heartbeat the leader and check that it is alive; runs from the main loop
         and while a relay waits for slow workers."""
+        if self._gap is not None:
+            self._ask_again()
         now = time.monotonic()
         if now - self._last_leader > self.liveness_s:
             raise LeaderLost(f"leader {self.settings.master_addr} lost: no heartbeat for "
@@ -432,7 +501,7 @@ class NodeAgent:
         if self.workers is not None:
             if self.ring is not None:
                 self.ring.abort()  # workers blocked on the ring see it closed at once
-            self.workers.stop(grace=2.0)
+            self.workers.stop(grace=self._stop_grace, term_s=min(2.0, self._stop_grace * 2))
         if self.ring is not None:
             self.ring.close()
         for sock in (self.sub, self.push):
@@ -441,6 +510,15 @@ class NodeAgent:
         self.ctx.term()
         os.close(self._death_r)
         os.close(self._death_w)
+
+
+def _call_seq(envelope: Any) -> int | None:
+    """A call's number, or None for anything else (the workers judge it)."""
+    try:
+        head = protocol.read_envelope(envelope)
+    except CodecError:
+        return None
+    return head[1] if head[0] == protocol.CALL else None
 
 
 def run_follower(**kwargs: Any) -> int:

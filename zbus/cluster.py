@@ -6,9 +6,11 @@ control, leader -> nodes) and ``master_port + 1`` (PULL: joins, heartbeats and
 every remote rank's replies, nodes -> leader). Followers open every connection.
 
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
-ring), ``H`` leader heartbeats, ``stopping`` and the final ``bye``, ``N<node id>``
-control for one node (welcome, reject, or dropped: welcomed, then silent too
-long), ``RP``/``HP`` probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
+ring), ``H`` leader heartbeats ``["hb", last call number sent]`` (``failed``
+instead once the executor failed), ``stopping`` and the final ``bye``,
+``N<node id>`` control for one node (welcome, reject, or dropped: welcomed, then silent too
+long), ``N<node id>R`` calls sent again to a node that lost them, ``RP``/``HP``
+probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
 ``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
 exitcode]``, ``["gap", node_rank, expected_seq, got_seq]``, ``["refused", node_id,
 reason]``, ``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
@@ -305,6 +307,8 @@ class RemoteReceiver:
 PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
 CALLERS_QUIET_S = 0.1  # the I/O thread reads the PULL socket once callers left it this long
 MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more are dropped
+RESEND_BYTES = 64 * 2**20  # the last calls kept to send again to a node that lost some
+RESEND_CALL_MAX = 2**20  # a bigger call is not kept: a gap across it fails the node
 
 
 class Leader:
@@ -359,6 +363,11 @@ class Leader:
         self.receivers: dict[int, RemoteReceiver] = {}
         self._on_failure = on_failure
         self.failure: Exception | None = None
+        self._told_failure = False  # the nodes were sent ``failed``
+        self.sent_seq = 0  # the last call number queued for the nodes
+        self._kept: collections.deque = collections.deque()  # (seq, frames) of the last calls
+        self._kept_bytes = 0
+        self._kept_lock = threading.Lock()
         self.formed = settings.nnodes <= 1
         self._joins: dict[str, dict] = {}
         self._subscribed: set[bytes] = set()
@@ -629,8 +638,13 @@ class Leader:
         """One turn of the I/O loop; the time of the next heartbeat."""
         s = self.settings
         now = time.monotonic()
-        if now >= next_hb:
-            if not self._send(TOPIC_HEARTBEAT, ["hb"], timeout=s.heartbeat_s / 2):
+        tell = self.failure is not None and not self._told_failure
+        if now >= next_hb or tell:
+            # a failed executor says so instead of heartbeating: its nodes free their GPUs
+            hb = ["hb", self.sent_seq] if self.failure is None else ["failed", brief(str(self.failure))]
+            if self._send(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
+                self._told_failure = self.failure is not None
+            else:
                 log.warning("heartbeat not sent: a node is not taking messages")
             next_hb = time.monotonic() + s.heartbeat_s
             self._check_liveness(time.monotonic())
@@ -753,8 +767,12 @@ class Leader:
             self._on_subscribed(msg[1])
         elif kind == "gap" and len(msg) == 4 and type(msg[1]) is int and msg[1] in self.nodes:
             node = self.nodes[msg[1]]  # its agent saw calls go missing (a reset connection)
-            self._fail(NodeLostError(node.node_rank, node.host,
-                                     f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
+            if self._resend(node, msg[2]):
+                log.warning("node %d (%s) missed calls %s to %s: sent again", node.node_rank, node.host,
+                            brief(msg[2]), brief(msg[3]))
+            else:
+                self._fail(NodeLostError(node.node_rank, node.host,
+                                         f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
         elif kind == "refused" and len(msg) == 3:
             self._on_refused(msg[1], msg[2])
         elif kind == "status" and len(msg) == 2:
@@ -778,6 +796,42 @@ class Leader:
                 self._fail(NodeLostError(
                     node.node_rank, node.host, f"no heartbeat for {now - node.last_seen:.1f} s"))
                 return
+
+    def sent(self, seq: int, frames: list) -> None:
+        """Call ``seq`` was queued for the nodes (the executor's sending thread): keep
+        a copy (the caller may reuse its buffers) while the copies fit
+        ``RESEND_BYTES``, to send again to a node whose connection lost it."""
+        size = sum(memoryview(f).nbytes for f in frames)
+        with self._kept_lock:
+            if size > RESEND_CALL_MAX:
+                self._kept.clear()
+                self._kept_bytes = 0
+            else:
+                self._kept.append((seq, [bytes(f) for f in frames]))
+                self._kept_bytes += size
+                while self._kept_bytes > RESEND_BYTES:
+                    self._kept_bytes -= sum(len(f) for f in self._kept.popleft()[1])
+            self.sent_seq = seq
+
+    def _resend(self, node: NodeInfo, first: Any) -> bool:
+        """Send calls ``first``..last again to ``node`` alone, on its node topic;
+        False if they are no longer all kept or could not be sent."""
+        with self._kept_lock:
+            calls = [c for c in self._kept if type(first) is int and c[0] >= first]
+            last = self.sent_seq
+        if not calls or calls[0][0] != first or calls[-1][0] != last:
+            return False
+        topic = node_topic(node.node_id) + TOPIC_RPC
+        for _, frames in calls:
+            if not self.xpub_lock.acquire(timeout=1.0):
+                return False
+            try:
+                send_frames(self.bcast.xpub, [topic, *frames], deadline_of(1.0), "send calls again")
+            except TimeoutError:
+                return False
+            finally:
+                self.xpub_lock.release()
+        return True
 
     def publish_remote(self, frames: list, deadline: float | None) -> None:
         """Send to the nodes only (the local ring may be aborted after a failure)."""
@@ -814,6 +868,7 @@ class Leader:
             if self.failure is None:
                 self.failure = error
             self.cond.notify_all()
+        self._wake.set()  # the I/O thread tells the nodes
         self.abort_receivers()
 
     def close(self) -> None:

@@ -438,14 +438,15 @@ class LocalWorkers:
                 return False
         return True
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Workers were asked to stop: wait ``grace``, then SIGTERM, then SIGKILL."""
+    def stop(self, grace: float = 5.0, term_s: float = 2.0) -> None:
+        """Workers were asked to stop: wait ``grace``, then SIGTERM and ``term_s``,
+        then SIGKILL."""
         self.stopping = True
         if not self.wait(grace):
             for p in self.procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
-            if not self.wait(2.0):
+            if not self.wait(term_s):
                 self.kill()
         self.close()
 
@@ -745,7 +746,20 @@ class MultiprocExecutor(Executor):
         """One call to every rank: the local ring, and one copy per follower node."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
-        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock)
+        try:
+            self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock)
+        except SendTimeout as e:
+            if e.queued:  # the nodes have it
+                self._sent_to_nodes(frames)
+            raise
+        self._sent_to_nodes(frames)
+
+    def _sent_to_nodes(self, frames: list) -> None:
+        """Heartbeats carry the last call number sent, so a node that lost calls in
+        a reset connection finds out without waiting for a next call, and asks
+        for them again."""
+        if self._leader is not None:
+            self._leader.sent(self._seq, frames)
 
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets
