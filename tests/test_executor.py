@@ -79,6 +79,15 @@ def test_non_blocking_futures_complete_by_themselves(ex):
     assert [f.result(0) for f in futs] == [[10 * i, 10 * i + 1] for i in range(50)]
 
 
+def test_polling_after_calls_is_bounded_and_calls_still_work():
+    """``poll_after_call_s``: workers and the driver poll that long after each call
+    before sleeping; a value past 1 s (a busy worker for good) is refused."""
+    with pytest.raises(ValueError, match="poll_after_call_s"):
+        zbus.Executor(EchoWorker, poll_after_call_s=5.0)
+    with zbus.Executor(EchoWorker, nproc_per_node=2, poll_after_call_s=0.01) as polling:
+        assert [polling.collective_rpc("rank_value", args=(i,)) for i in range(50)][-1] == [490, 491]
+
+
 def test_callables_travel_by_import_path_and_code_never_does(ex):
     """Sabotage: a lambda that is pickled, or refused with a vague message."""
     assert ex.collective_rpc(workers.add_rank, args=(1,), kwargs={"y": 2}) == [3, 4]

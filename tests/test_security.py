@@ -209,7 +209,9 @@ def good_welcome(**changes):
     ({"nnodes": 10**9}, "nnodes"), ({"torch_port": 0}, "torch_port"),
     ({"master_addr": "x" * 5000}, "master_addr"), ({"reply_address": "ipc:///tmp/x"}, "reply_address"),
     ({"spec": {"worker": None}}, "spec"), ({"env": {"A": "x" * 100000}}, "env"),
-    ({"env": {str(i): "" for i in range(2000)}}, "env")])
+    ({"env": {str(i): "" for i in range(2000)}}, "env"),
+    ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": 3600.0}}, "poll_s"),
+    ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": "1"}}, "poll_s")])
 def test_a_follower_checks_every_welcome_field(changes, why):
     """Sabotage: make check_welcome return None (the old code checked nothing)."""
     from zbus.agent import check_welcome

@@ -67,6 +67,7 @@ def safe_env_name(name: str) -> bool:
 
 
 LIVENESS_RANGE_S = (0.5, 600.0)  # a welcome's liveness limit must lie in here
+MAX_POLL_S = 1.0  # the longest the executor may ask nodes to poll after each call
 MAX_NNODES = 4096
 MAX_TEXT = 1024  # longest address or worker path a welcome may carry
 MAX_ENV = 1024  # most env= variables, each name and value at most MAX_TEXT and 64 KiB
@@ -104,6 +105,9 @@ def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None
     spec = w.get("spec")
     if not isinstance(spec, dict) or not is_text(spec.get("worker")):
         return "spec names no worker class"
+    poll = spec.get("poll_s")
+    if poll is not None and (type(poll) not in (int, float) or not 0 <= poll <= MAX_POLL_S):
+        return f"poll_s {brief(poll)} outside 0..{MAX_POLL_S} s"
     env = w.get("env", {})
     if not isinstance(env, dict) or len(env) > MAX_ENV or not all(
             is_text(k) and type(v) is str and len(v) <= 65536 for k, v in env.items()):
@@ -151,6 +155,8 @@ class NodeAgent:
         self._last_leader = time.monotonic()
         self._next_hb = 0.0
         self._stop_grace = 2.0  # how long workers get to end by themselves at close
+        self._poll_s = 0.0  # the executor's poll_after_call_s (from the welcome)
+        self._poll_until = 0.0
         self.liveness_s = self.settings.liveness_s
 
     def _keys(self, curve_dir: str | None, secret: bytes | None) -> NodeCurve | None:
@@ -258,6 +264,7 @@ class NodeAgent:
         n = welcome["nproc_per_node"]
         self.node_rank = welcome["node_rank"]
         self.liveness_s = welcome["liveness_s"]
+        self._poll_s = float(welcome["spec"].get("poll_s") or 0.0)
         from .logs import setup_logging
 
         setup_logging(f"node {self.node_rank}", logging.getLevelName(logging.getLogger().level))
@@ -315,7 +322,7 @@ class NodeAgent:
             self._tick()
             # wake for the next heartbeat or the moment the leader would be lost
             wake = min(self._next_hb, self._last_leader + self.liveness_s)
-            events = dict(poller.poll(int(max(0.0, wake - time.monotonic()) * 1000) + 1))
+            events = self._poll(poller, wake)
             if self._death_r in events:
                 os.read(self._death_r, 64)
                 self._report_deaths()
@@ -350,6 +357,16 @@ class NodeAgent:
                             self.workers.stopping = True  # their exits are no news
                             self._stop_grace = 0.2  # nobody waits for their results
                             return 0
+
+    def _poll(self, poller: zmq.Poller, wake: float) -> dict:
+        """Wait for the leader (or a worker's death) until ``wake``. Within the
+        executor's ``poll_after_call_s`` of the last call, poll instead of sleeping,
+        yielding the core: the next call then needs no wake-up of this thread."""
+        while time.monotonic() < min(self._poll_until, wake):
+            if self.sub.poll(0, zmq.POLLIN):
+                return {self.sub: zmq.POLLIN}
+            os.sched_yield()
+        return dict(poller.poll(int(max(0.0, wake - time.monotonic()) * 1000) + 1))
 
     def _on_probe(self, topic: bytes, msg: Any) -> None:
         """Answer ``subscribed`` once probes for this node came on both topics."""
@@ -411,6 +428,7 @@ class NodeAgent:
             self._backlog.append(frames)
 
     def _relay(self, frames: list) -> None:
+        self._poll_until = time.monotonic() + self._poll_s
         """Relay calls in number order: a call sent again that we have is dropped;
         one after a gap waits until the gap is filled."""
         seq = _call_seq(frames[0])

@@ -42,6 +42,7 @@ from .worker import Worker, import_object
 log = logging.getLogger(__name__)
 
 BACKENDS = ("mp", "inproc")
+MAX_POLL_S = 1.0  # the longest poll_after_call_s: polling is for calls in quick succession
 STARTUP_REPORT_GRACE_S = 1.0  # how long a failed start-up waits for the worker's own report
 WorkerSpec = "type[Worker] | str"
 
@@ -166,9 +167,11 @@ class Executor:
     def __init__(self, worker: WorkerSpec, *, nproc_per_node: int = 1,
                  worker_kwargs: dict | None = None, backend: str = "mp", output_rank: int = 0,
                  startup_timeout: float = 120.0, allow_import_calls: bool = True,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, poll_after_call_s: float | None = None):
         if nproc_per_node < 1:
             raise ValueError("nproc_per_node must be at least 1")
+        if poll_after_call_s is not None and not 0 <= poll_after_call_s <= MAX_POLL_S:
+            raise ValueError(f"poll_after_call_s must lie in 0..{MAX_POLL_S} s")
         self.worker = worker
         self.worker_kwargs = dict(worker_kwargs or {})
         self.nproc_per_node = nproc_per_node
@@ -177,6 +180,7 @@ class Executor:
         self.startup_timeout = startup_timeout
         self.allow_import_calls = allow_import_calls
         self.extra_env = dict(env or {})
+        self.poll_after_call_s = poll_after_call_s
         self._failure: ExecutorFailedError | None = None
         self.metrics = Metrics()
         self._callbacks: list[Callable[[], None]] = []
@@ -608,7 +612,10 @@ class MultiprocExecutor(Executor):
         for _ in range(n):  # one at a time: shutdown() removes those made before a failure
             self._resp_handles.append(ring.create(1))
         for h in self._resp_handles:  # one at a time, for the same reason
-            self._receivers.append(ShmReceiver(ring.RingReader.attach(h, 0)))
+            reader = ring.RingReader.attach(h, 0)
+            if self.poll_after_call_s is not None:  # a reply follows a call as a call a reply
+                reader.keep_polling(self.poll_after_call_s)
+            self._receivers.append(ShmReceiver(reader))
         segments = [self._bcast.handle.name, *(h.name for h in self._resp_handles)]
         places = [{"rank": r, "local_rank": r, "world_size": self.world_size, "local_world_size": n,
                    "node_rank": 0} for r in range(n)]
@@ -616,7 +623,7 @@ class MultiprocExecutor(Executor):
             places, self._bcast.handle.to_dict(), [h.to_dict() for h in self._resp_handles],
             segments, self.master_addr, torch_port, self._worker_env(ifname), self._worker_died)
         spec = {"worker": self.worker_path, "kwargs": self.worker_kwargs,
-                "allow_import": self.allow_import_calls}
+                "allow_import": self.allow_import_calls, "poll_s": self.poll_after_call_s}
         deadline = deadline_of(self.startup_timeout)
         try:
             # the spec goes to this node's ring only: followers get theirs in the welcome

@@ -41,9 +41,6 @@ class Worker:
     world_size: int = 1
     local_world_size: int = 1
     node_rank: int = 0
-    #: After each call, keep polling the ring this long (seconds) before sleeping,
-    #: for workers whose calls come in quick succession; None: ``ZBUS_YIELD_US``.
-    poll_after_call_s: float | None = None
 
     def rpc_self(self) -> Any:
         """What a function called by import path (``"pkg.mod:func"``) gets as its
@@ -232,8 +229,9 @@ def main() -> None:
             out.put([place["rank"], protocol.READY, protocol.RAISED, e])
             raise SystemExit(1) from None
         out.put([place["rank"], protocol.READY, protocol.OK, {"pid": os.getpid()}])
-        if worker.poll_after_call_s is not None:
-            bcast.keep_polling(worker.poll_after_call_s)
+        poll = spec.get("poll_s")  # the executor's poll_after_call_s
+        if type(poll) in (int, float) and 0 <= poll <= 1:
+            bcast.keep_polling(poll)
 
         def put(reply: list) -> None:
             try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 from typing import Any, Callable
 
 from vllm.utils.torch_utils import set_torch_threads_for_runtime
@@ -14,10 +13,14 @@ from .. import Executor
 from ..cluster import ClusterSettings
 from ..errors import ZbusError
 from .wire import load_wire_modules
-from .worker import POLL_BETWEEN_STEPS_S, remove_cpu_shm
+from .worker import remove_cpu_shm
 
 log = logging.getLogger(__name__)
 WORKER = "zbus.vllm.worker:VllmWorker"
+# A decode step comes every few milliseconds: between steps the workers, the node
+# agents and the engine poll (yielding the core) instead of sleeping, as vLLM's own
+# workers spin for 1 s after each message.
+POLL_BETWEEN_STEPS_S = 0.01
 
 
 class ZbusExecutor(VllmExecutor):
@@ -39,10 +42,8 @@ class ZbusExecutor(VllmExecutor):
         self.output_rank = self.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
         self._failure_callback: Callable[[], None] | None = None
         self._failed = False
-        # The engine waits for each step's reply as the workers wait for the step.
-        os.environ.setdefault("ZBUS_YIELD_US", str(int(POLL_BETWEEN_STEPS_S * 1e6)))
         self._zbus = Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
-                              output_rank=self.output_rank)
+                              output_rank=self.output_rank, poll_after_call_s=POLL_BETWEEN_STEPS_S)
         try:
             self._zbus.register_failure_callback(self._on_failure)
             self.collective_rpc("init_worker", args=(self.vllm_config,))

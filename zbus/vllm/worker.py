@@ -21,15 +21,8 @@ load_wire_modules()
 ALLOW_ENV = "ZBUS_VLLM_ALLOW"
 
 
-# A decode step comes every few milliseconds: between steps a worker polls its ring
-# (yielding the core) instead of sleeping, as vLLM's own workers spin for 1 s.
-POLL_BETWEEN_STEPS_S = 0.01
-
-
 class VllmWorker(Worker):
     """One vLLM worker. Every vLLM worker method is callable by name."""
-
-    poll_after_call_s = POLL_BETWEEN_STEPS_S
 
     def __init__(self) -> None:
         from vllm.v1.worker.worker_base import WorkerWrapperBase
