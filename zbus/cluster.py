@@ -857,6 +857,15 @@ class Leader:
         not report the exits as failures."""
         self._send(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
 
+    def say_bye(self) -> bool:
+        """Tell the nodes the cluster is done (they stop their workers and exit 0);
+        whether it was sent. Said as soon as the last call (STOP) is out, so a
+        leader killed while its own workers stop leaves no node waiting for it."""
+        try:
+            return self._send(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
+        except zmq.ZMQError:
+            return False
+
     def abort_receivers(self) -> None:
         for r in list(self.receivers.values()):  # the I/O thread may be adding one
             r.abort()
@@ -881,9 +890,9 @@ class Leader:
             if not self.formed:  # followers still joining would otherwise wait out their timeout
                 for topic in list(self._subscribed)[:64]:
                     self._send(topic, ["reject", "the leader stopped before the cluster formed"], 0.2)
-            bye = self._send(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
         except zmq.ZMQError:
-            bye = False
+            pass
+        bye = self.say_bye()
         self.abort_receivers()
         locked = self.pull_lock.acquire(timeout=1.0)  # a caller leaves it within a slice
         self._pull_closed = True

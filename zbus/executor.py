@@ -874,6 +874,8 @@ class MultiprocExecutor(Executor):
                     self._leader.publish_remote(stop, deadline_of(1.0))
             except (TimeoutError, RingClosed, Cancelled):
                 pass
+        if self._leader is not None and self._failure is None:
+            self._leader.say_bye()  # the nodes are done: none waits on our own workers' stop
         workers.stop(grace=5.0 if self._failure is None else 0.5)
 
     def _wake_callers(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import Any, Callable
 
 from vllm.utils.torch_utils import set_torch_threads_for_runtime
@@ -128,12 +129,15 @@ class ZbusExecutor(VllmExecutor):
         zbus = getattr(self, "_zbus", None)
         if zbus is None:
             return
+        started = time.monotonic()
         if not self._failed:
             try:
                 zbus.collective_rpc("shutdown", timeout=10)
             except (ZbusError, TimeoutError) as e:
                 log.warning("workers' shutdown: %s", e)
+        log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
         zbus.shutdown()
+        log.info("zbus shut down in %.2f s", time.monotonic() - started)
         remove_cpu_shm(zbus.torch_port, 0)
 
     @classmethod
