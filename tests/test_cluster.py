@@ -39,23 +39,38 @@ def leader(port: int, worker=workers.EchoWorker, nnodes: int = 3, **kw) -> zbus.
 
 
 def test_follower_started_early_waits_and_one_that_joined_early_is_kept_alive():
+    """Node 1 starts before the leader and waits; it joins, and node 2 joins more
+    than twice the 2 s liveness limit later (measured by the leader's on_join
+    calls); node 1 is still there, its READY kept: the call answers on every rank.
+    Sabotage: start the late follower at once (drop the time.sleep(5.0)): the join
+    gap assertion fails."""
     port = free_port_pair()
     early = follower(port, "--node-rank", "1")
     late = None
     try:
         time.sleep(3.0)  # the follower waits for a leader that is not there yet
         result = {}
+        joined = {}  # nodes joined (the leader counts as one) -> when first seen
+        node_1_in = threading.Event()
+
+        def on_join(n, total):
+            joined.setdefault(n, time.monotonic())
+            if n >= 2:
+                node_1_in.set()
 
         def lead():
-            with leader(port, join_timeout=60) as ex:
+            with leader(port, join_timeout=60, on_join=on_join) as ex:
                 result["values"] = ex.collective_rpc("rank_value", args=(1,), timeout=30)
 
         t = threading.Thread(target=lead)
         t.start()
-        time.sleep(5.0)  # node 1 joined long ago: more than twice the 2 s liveness limit
+        assert node_1_in.wait(60)
+        time.sleep(5.0)  # from node 1's join: more than twice the 2 s liveness limit
         late = follower(port, "--node-rank", "2")
         t.join(90)
         assert result["values"] == [10, 11, 12]
+        assert 2 in joined and 3 in joined, joined  # node 1 joined alone first
+        assert joined[3] - joined[2] > 2 * 2.0, joined
         assert early.wait(30) == 0 and late.wait(30) == 0
         assert "waiting for the leader" in early.stderr.read()
     finally:

@@ -6,7 +6,6 @@ import logging
 import os
 import socket
 import stat
-import subprocess
 import time
 
 import numpy as np
@@ -23,6 +22,29 @@ from zbus.curve import keygen
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
 
 
+def tree_listeners(root, leave_out=()) -> set:
+    """(ip, port) of every TCP socket listening in ``root``'s process tree (the
+    process and all its descendants), without the trees of the pids in ``leave_out``."""
+    import psutil
+
+    skip = set(leave_out)
+    for pid in leave_out:
+        try:
+            skip |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+    found = set()
+    for proc in [root, *root.children(recursive=True)]:
+        if proc.pid in skip:
+            continue
+        try:
+            conns = proc.net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        found |= {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+    return found
+
+
 def test_keygen_writes_one_folder_per_host_with_private_secrets(tmp_path):
     folders = keygen(str(tmp_path), nodes=2)
     assert [os.path.basename(f) for f in folders] == ["leader", "node-1", "node-2"]
@@ -34,10 +56,29 @@ def test_keygen_writes_one_folder_per_host_with_private_secrets(tmp_path):
     assert not any(n.endswith("_secret") and n != "node.key_secret" for n in os.listdir(tmp_path / "node-1"))
 
 
-def test_keyed_cluster_works_and_nodes_without_listed_keys_are_refused(tmp_path):
+def test_keyed_cluster_works_and_nodes_without_listed_keys_are_refused(tmp_path, caplog):
+    """A listed node joins and serves. A node without keys, and a node that holds the
+    right leader key but a node key the leader does not list, stay out: start-up
+    fails naming rank 1 while both strangers still wait (they did not crash), and
+    the leader's ZAP handler logged the refusal of that very key at WARNING.
+    Sabotage: let ZAP admit every key (in LeaderCurve.__init__, replace the certs
+    line with self.auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)):
+    no refusal is logged and the test fails on it (the unlisted node still does not
+    join: the leader's key-to-rank binding drops its join, a second line of defence)."""
+    import shutil
+
+    import zmq.auth
+
     keygen(str(tmp_path / "keys"), nodes=1)
     keygen(str(tmp_path / "other"), nodes=1)
     leader_dir = str(tmp_path / "keys" / "leader")
+    # the right leader key, a node key pair the leader does not list
+    unlisted = tmp_path / "unlisted"
+    unlisted.mkdir()
+    for name in ("node.key", "node.key_secret"):
+        shutil.copy(tmp_path / "other" / "node-1" / name, unlisted / name)
+    shutil.copy(tmp_path / "keys" / "node-1" / "leader.key", unlisted / "leader.key")
+    unlisted_key = zmq.auth.load_certificate(str(unlisted / "node.key"))[0].decode()
     port = free_port_pair()
     good = follower(port, "--node-rank", "1", "--curve-dir", str(tmp_path / "keys" / "node-1"))
     try:
@@ -47,30 +88,49 @@ def test_keyed_cluster_works_and_nodes_without_listed_keys_are_refused(tmp_path)
         assert good.wait(30) == 0
     finally:
         end_process(good)
-    for args in ([], ["--curve-dir", str(tmp_path / "other" / "node-1")]):  # no keys; unlisted keys
+    for args in ([], ["--curve-dir", str(unlisted)]):  # no keys; an unlisted node key
         port = free_port_pair()
         stranger = follower(port, "--node-rank", "1", *args)
+        caplog.clear()
         try:
-            with pytest.raises(zbus.StartupError, match=r"missing node ranks: \[1\]"):
-                zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
-                              master_port=port, curve_dir=leader_dir, join_timeout=4)
+            with caplog.at_level(logging.DEBUG, logger="zbus.curve.zap"):
+                with pytest.raises(zbus.StartupError, match=r"missing node ranks: \[1\]"):
+                    zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                                  master_port=port, curve_dir=leader_dir, join_timeout=4)
+            assert stranger.poll() is None  # kept out while trying, not crashed
+            refusals = [r.getMessage() for r in caplog.records
+                        if r.name == "zbus.curve.zap" and r.levelno == logging.WARNING
+                        and r.getMessage().startswith("DENIED")]
+            if args:  # the handshake reached ZAP, which refused this key
+                assert any(unlisted_key in m for m in refusals), refusals
+            else:  # no CURVE at all: the mechanism mismatch fails before ZAP
+                assert refusals == []
         finally:
             end_process(stranger, timeout=1)
 
 
 def test_unauthenticated_leader_warns_once_and_binds_only_its_address(caplog):
+    """Every TCP listener of the leader's process tree (the driver and its workers,
+    the follower's tree left out) is one of exactly two: master_port and
+    master_port + 1 on 127.0.0.1, no wildcard, no third port.
+    Sabotage: bind the PULL socket to "0.0.0.0" instead of self.bind_ip in
+    Leader.__init__ (zbus/cluster.py), or have a worker listen on a port of its own
+    (socket.create_server(("127.0.0.1", 0)) in Worker's start-up)."""
+    import psutil
+
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")
     try:
         with caplog.at_level(logging.WARNING, logger="zbus.cluster"):
             with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
                                master_port=port, join_timeout=60) as ex:
-                import psutil
-
-                listening = {c.laddr for c in psutil.net_connections("tcp")
-                             if c.status == "LISTEN" and c.laddr.port in (port, port + 1)}
-                assert {a.ip for a in listening} == {"127.0.0.1"}
                 ex.collective_rpc("noop", timeout=30)
+                driver = psutil.Process()
+                local_workers = [c for c in driver.children(recursive=True) if c.pid != proc.pid
+                                 and proc.pid not in {p.pid for p in c.parents()}]
+                assert local_workers  # the leader's own worker runs now
+                assert tree_listeners(driver, leave_out=[proc.pid]) == {("127.0.0.1", port),
+                                                                        ("127.0.0.1", port + 1)}
         warnings = [r for r in caplog.records if "not authenticated" in r.getMessage()]
         assert len(warnings) == 1
     finally:
@@ -120,16 +180,24 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
 
 
 def test_follower_exposes_no_port():
-    port = free_port_pair()
-    proc = follower(port, "--node-rank", "1")
-    try:
-        time.sleep(1.0)
-        import psutil
+    """After the join, with its workers running and serving calls, no process of the
+    follower's tree (the agent and its workers) listens on any TCP port.
+    Sabotage: have the agent listen (self._sabotage = socket.create_server(("127.0.0.1", 0))
+    at the start of NodeAgent.run in zbus/agent.py), or a worker."""
+    import psutil
 
-        listening = [c for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid == proc.pid]
-        assert listening == []
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1", nproc=2)
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=2, master_addr="127.0.0.1",
+                           master_port=port, join_timeout=60) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12, 13]
+            agent = psutil.Process(proc.pid)
+            assert len(agent.children(recursive=True)) >= 2  # its two workers run now
+            assert tree_listeners(agent) == set()
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22, 23]
+        assert proc.wait(30) == 0
     finally:
-        proc.send_signal(subprocess.signal.SIGTERM)
         end_process(proc)
 
 
