@@ -20,7 +20,8 @@ TEST_PATH = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 
 def zbus_segments() -> set[str]:
-    return {n for n in os.listdir(SHM) if n.startswith("zbus-")}
+    """zbus's segments, and those vLLM's CPU all-reduce names after zbus's rendezvous."""
+    return {n for n in os.listdir(SHM) if n.startswith("zbus-") or "?zbus_node=" in n}
 
 
 def live_children(proc: psutil.Process) -> list[psutil.Process]:

@@ -136,9 +136,11 @@ class ZbusExecutor(VllmExecutor):
             except (ZbusError, TimeoutError) as e:
                 log.warning("workers' shutdown: %s", e)
         log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
+        # Names first (mappings stay valid): the engine's process may be killed while
+        # zbus stops the workers, and a killed worker cannot remove its own.
+        remove_cpu_shm(zbus.torch_port, 0)
         zbus.shutdown()
         log.info("zbus shut down in %.2f s", time.monotonic() - started)
-        remove_cpu_shm(zbus.torch_port, 0)
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
