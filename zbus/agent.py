@@ -37,7 +37,7 @@ from .cluster import (
     route_to,
     touch_health,
 )
-from .config import WaitPolicy
+from .config import MAX_POLL_S, WaitPolicy
 from .curve import NodeCurve, curve_dir_from_env, secret_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .executor import LocalWorkers
@@ -67,7 +67,6 @@ def safe_env_name(name: str) -> bool:
 
 
 LIVENESS_RANGE_S = (0.5, 600.0)  # a welcome's liveness limit must lie in here
-MAX_POLL_S = 1.0  # the longest the executor may ask nodes to poll after each call
 MAX_NNODES = 4096
 MAX_TEXT = 1024  # longest address or worker path a welcome may carry
 MAX_ENV = 1024  # most env= variables, each name and value at most MAX_TEXT and 64 KiB

@@ -56,6 +56,11 @@ class RingGeometry:
         return geo
 
 
+# The longest an executor may ask its workers and nodes to poll after each call
+# (Executor(poll_after_call_s=)): polling is for calls in quick succession.
+MAX_POLL_S = 1.0
+
+
 @dataclass(frozen=True)
 class WaitPolicy:
     spin_s: float

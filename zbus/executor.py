@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
 from .cluster import TOPIC_RPC, ClusterSettings, Leader, port_range, resolve_ip, route_to
+from .config import MAX_POLL_S
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
     Cancelled,
@@ -42,7 +43,6 @@ from .worker import Worker, import_object
 log = logging.getLogger(__name__)
 
 BACKENDS = ("mp", "inproc")
-MAX_POLL_S = 1.0  # the longest poll_after_call_s: polling is for calls in quick succession
 STARTUP_REPORT_GRACE_S = 1.0  # how long a failed start-up waits for the worker's own report
 WorkerSpec = "type[Worker] | str"
 
@@ -58,8 +58,7 @@ class RpcFuture(concurrent.futures.Future):
     complete in issue order. ``result(timeout)`` raises :class:`TimeoutError` and
     leaves the call pending."""
 
-    def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool,
-                 background: bool = False):
+    def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool):
         super().__init__()
         started = time.perf_counter()
         self.add_done_callback(lambda f: executor.metrics.rpc_done(
@@ -68,7 +67,6 @@ class RpcFuture(concurrent.futures.Future):
         self.seq = seq
         self.reply_ranks = list(reply_ranks)
         self.unique = unique
-        self.background = background  # completed by the executor's completer thread
         self.replies: dict[int, tuple[int, Any]] = {}
 
     def result(self, timeout: float | None = None) -> Any:
@@ -730,7 +728,7 @@ class MultiprocExecutor(Executor):
             self._seq += 1
             frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,
                                              len(payload)), *payload]
-            fut = RpcFuture(self, self._seq, ranks, unique, background=non_block)
+            fut = RpcFuture(self, self._seq, ranks, unique)
             self._pending.append(fut)
             self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
             try:

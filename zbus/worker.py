@@ -21,6 +21,7 @@ import threading
 from typing import Any, Callable
 
 from . import protocol, shm
+from .config import MAX_POLL_S
 from .errors import CodecError, RingClosed, ZbusError
 from .logs import setup_logging
 
@@ -230,7 +231,7 @@ def main() -> None:
             raise SystemExit(1) from None
         out.put([place["rank"], protocol.READY, protocol.OK, {"pid": os.getpid()}])
         poll = spec.get("poll_s")  # the executor's poll_after_call_s
-        if type(poll) in (int, float) and 0 <= poll <= 1:
+        if type(poll) in (int, float) and 0 <= poll <= MAX_POLL_S:
             bcast.keep_polling(poll)
 
         def put(reply: list) -> None:

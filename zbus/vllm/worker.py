@@ -50,8 +50,6 @@ class VllmWorker(Worker):
         self.wrapper.init_worker(kwargs)
         if self.local_rank == 0:  # at a clean exit, as at a stop by signal
             atexit.register(remove_cpu_shm, os.environ["MASTER_PORT"], self.node_rank)
-        if vllm_config.scheduler_config.async_scheduling:
-            self._outputs = concurrent.futures.ThreadPoolExecutor(1, "zbus-vllm-output")
 
     def execute_model(self, scheduler_output: Any) -> Any:
         return self._output(self.wrapper.execute_model(scheduler_output))
@@ -65,9 +63,9 @@ class VllmWorker(Worker):
         from vllm.v1.outputs import AsyncModelRunnerOutput
 
         if isinstance(output, AsyncModelRunnerOutput):
-            pool = self._outputs or concurrent.futures.ThreadPoolExecutor(1, "zbus-vllm-output")
-            self._outputs = pool
-            return pool.submit(output.get_output)
+            if self._outputs is None:  # (async scheduling) one thread keeps them in order
+                self._outputs = concurrent.futures.ThreadPoolExecutor(1, "zbus-vllm-output")
+            return self._outputs.submit(output.get_output)
         return output
 
     def __getattr__(self, name: str) -> Any:
