@@ -79,3 +79,41 @@ def test_an_unregistered_family_cannot_be_decoded(shapes):
 def test_objects_outside_every_family_still_fail_to_encode():
     with pytest.raises(CodecError, match="frozenset"):
         codec.encode(frozenset({1}))
+
+
+def test_a_type_a_family_reduced_goes_as_a_registered_dataclass_once_registered():
+    """The encoder remembers which family reduced a type; registering the type (or
+    the family leaving) must end that. Sabotage: ``register`` not clearing what
+    the encoder remembers -> the dataclass still travels through the family."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Pair:
+        a: int
+        b: int
+
+    class Pairs(Shapes):
+        name = "pairs"
+
+        def reduce(self, obj):
+            return ("Pair", dataclasses.asdict(obj)) if type(obj) is Pair else None
+
+    family = codec.register_family(Pairs())
+    try:
+        assert b"pairs:Pair" in codec.encode(Pair(1, 2))[0]
+        codec.register(Pair, "test.Pair")
+        frames = codec.encode(Pair(1, 2))
+        assert b"pairs:Pair" not in frames[0] and codec.decode(frames) == Pair(1, 2)
+    finally:
+        codec._families.pop(family.name)
+        codec._registry.pop("test.Pair", None)
+
+
+def test_a_family_that_left_is_not_used_from_memory(shapes):
+    """Sabotage: the encoder's memory of reducing families not checking that the
+    family is still registered -> a Point still encodes after its family left."""
+    codec.encode(Point(1, 2))
+    codec._families.pop("shapes")
+    with pytest.raises(CodecError, match="Point"):
+        codec.encode(Point(1, 2))
+    codec.register_family(shapes)

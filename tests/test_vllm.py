@@ -185,6 +185,14 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
         decode("os:system")
     with pytest.raises(CodecError, match="transformers' table"):
         decode("transformers.models.llama.configuration_llama:LlamaConfig")  # no model_type
+    # what the family remembers per name holds allowed types only: refused names
+    # sent again and again cannot grow it
+    family = codec._families["vllm"]
+    known = len(family._builders)
+    for i in range(100):
+        with pytest.raises(CodecError):
+            decode(f"vllm.config:Nothing{i}")
+    assert len(family._builders) == known
 
 
 def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):

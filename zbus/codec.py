@@ -44,6 +44,9 @@ BUDGET_FACTOR = 4  # a decode copies at most this many times the message size (+
 
 _registry: dict[str, type] = {}
 _families: dict[str, TypeFamily] = {}
+# Types a family reduced: the checks before the families' are by type, so such a
+# type goes straight to its family next time (an engine sends the same few types).
+_family_of: dict[type, TypeFamily] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,7 @@ def register(cls: type, name: str | None = None) -> type:
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     _registry[name or f"{cls.__module__}.{cls.__qualname__}"] = cls
+    _family_of.clear()  # a registered type is no longer a family's
     cls.__zbus_name__ = name or f"{cls.__module__}.{cls.__qualname__}"
     return cls
 
@@ -96,6 +100,7 @@ def register_family(family: TypeFamily) -> TypeFamily:
     if not family.name or ":" in family.name:
         raise ValueError("a type family needs a name without ':'")
     _families[family.name] = family
+    _family_of.clear()
     return family
 
 
@@ -133,6 +138,11 @@ class _Encoder:
 
     def default(self, obj: Any) -> Any:
         t = type(obj)
+        family = _family_of.get(t)
+        if family is not None and _families.get(family.name) is family:
+            reduced = family.reduce(obj)
+            if reduced is not None:
+                return self._object(family, reduced)
         if t is tuple:  # large bytes arguments travel out of band (msgpack packs bytes inline)
             items = [_BigBytes(x) if (type(x) is bytes and len(x) >= OOB_THRESHOLD)
                      or type(x) in _KIND_OF else x for x in obj]
@@ -154,7 +164,8 @@ class _Encoder:
         for family in _families.values():
             reduced = family.reduce(obj)
             if reduced is not None:
-                return msgpack.ExtType(_OBJECT, self.pack([f"{family.name}:{reduced[0]}", reduced[1]]))
+                _family_of[t] = family
+                return self._object(family, reduced)
         if isinstance(obj, BaseException):
             info = ExceptionInfo.from_exception(obj)
             return msgpack.ExtType(_EXCEPTION, self.pack([info.type_name, info.message, info.traceback]))
@@ -167,6 +178,9 @@ class _Encoder:
             return obj.item()
         raise CodecError(f"cannot encode {t.__module__}.{t.__qualname__}: not a supported type "
                          "(register dataclasses with zbus.codec.register)")
+
+    def _object(self, family: TypeFamily, reduced: tuple[str, Any]) -> msgpack.ExtType:
+        return msgpack.ExtType(_OBJECT, self.pack([f"{family.name}:{reduced[0]}", reduced[1]]))
 
     def _bytes(self, obj: Any, kind: int) -> Any:
         view = memoryview(obj)

@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import importlib
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ..codec import TypeFamily, register_family
 from ..errors import CodecError
@@ -43,15 +43,20 @@ def _hf_config_class() -> Any:
     return getattr(transformers, "PretrainedConfig", None) if transformers else None
 
 
-def _state(obj: Any) -> Any:
-    t = type(obj)
+def _state_of(t: type) -> Callable[[Any], Any]:
+    """How pickle would take the state of a ``t``: ``__getstate__``, or the
+    instance dict and the slots."""
     if getattr(t, "__getstate__", object.__getstate__) is not object.__getstate__:
-        return obj.__getstate__()
-    state = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
-    for cls in t.__mro__:
-        for slot in getattr(cls, "__slots__", ()):
-            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
-                state[slot] = getattr(obj, slot)
+        return lambda obj: obj.__getstate__()
+    slots = [s for cls in t.__mro__ for s in getattr(cls, "__slots__", ())
+             if s not in ("__dict__", "__weakref__")]
+
+    def state(obj: Any) -> dict:
+        out = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+        for slot in slots:
+            if hasattr(obj, slot):
+                out[slot] = getattr(obj, slot)
+        return out
     return state
 
 
@@ -60,73 +65,113 @@ class VllmTypes(TypeFamily):
 
     name = "vllm"
 
+    def __init__(self) -> None:
+        # what was worked out per type (to send) and per name (received, and allowed):
+        # a step carries the same few types again and again
+        self._reducers: dict[type, Callable[[Any], tuple[str, Any]] | None] = {}
+        self._builders: dict[str, Callable[[str, Any], Any]] = {}
+
     def reduce(self, obj: Any) -> tuple[str, Any] | None:
         t = type(obj)
-        if t is set or t is frozenset:
-            return t.__name__, list(obj)
-        if t is collections.Counter:
-            return "Counter", dict(obj)
-        if isinstance(obj, type):  # (a backend class in the config): its name, never imported
-            return "class", f"{obj.__module__}.{obj.__qualname__}"
-        torch = sys.modules.get("torch")
-        if torch is not None and t is torch.dtype:
-            return "dtype", str(obj).removeprefix("torch.")
-        if torch is not None and t is torch.device:
-            return "device", str(obj)
-        hf = _hf_config_class()
-        if not (_is_vllm(t.__module__) or (hf is not None and isinstance(obj, hf))):
-            return None
-        name = f"{t.__module__}:{t.__qualname__}"
-        if isinstance(obj, enum.Enum):
-            return name, obj.value
-        if hasattr(t, "__struct_fields__"):
-            return name, {f: getattr(obj, f) for f in t.__struct_fields__}
-        if isinstance(obj, tuple):
-            return name, list(obj)
-        return name, _state(obj)
+        try:
+            reducer = self._reducers[t]
+        except KeyError:
+            reducer = self._reducers[t] = _reducer(t)
+        return None if reducer is None else reducer(obj)
 
     def build(self, name: str, state: Any) -> Any:
-        if name in ("set", "frozenset"):
-            if type(state) is not list:
-                raise CodecError(f"malformed {name}")
-            return set(state) if name == "set" else frozenset(state)
-        if name == "Counter":
-            if type(state) is not dict:
-                raise CodecError("malformed Counter")
-            return collections.Counter(state)
-        if name == "class":
-            if type(state) is not str:
-                raise CodecError("malformed class name")
-            return state
-        if name == "dtype":
-            return _torch_dtype(state)
-        if name == "device":
-            import torch
+        builder = self._builders.get(name)
+        if builder is None:
+            builder = _builder(name, state)
+            if not name.startswith("transformers."):  # (those are checked against the state)
+                self._builders[name] = builder
+        return builder(name, state)
 
-            if type(state) is not str or len(state) > 32:
-                raise CodecError("malformed torch.device")
-            return torch.device(state)
-        cls = _wire_class(name, state)
-        if issubclass(cls, enum.Enum):
-            return cls(state)
-        if hasattr(cls, "__struct_fields__"):
-            if type(state) is not dict:
-                raise CodecError(f"malformed {name}")
-            return cls(**state)
-        if issubclass(cls, tuple):
-            if type(state) is not list:
-                raise CodecError(f"malformed {name}")
-            return cls(*state)
-        obj = cls.__new__(cls)
-        if getattr(cls, "__setstate__", None) is not None and \
-                getattr(cls, "__getstate__", object.__getstate__) is not object.__getstate__:
+
+def _reducer(t: type) -> Callable[[Any], tuple[str, Any]] | None:
+    """How to reduce an object of type ``t`` to (name, state), or None: not ours."""
+    if t is set or t is frozenset:
+        return lambda obj: (t.__name__, list(obj))
+    if t is collections.Counter:
+        return lambda obj: ("Counter", dict(obj))
+    if issubclass(t, type):  # (a backend class in the config): its name, never imported
+        return lambda obj: ("class", f"{obj.__module__}.{obj.__qualname__}")
+    torch = sys.modules.get("torch")
+    if torch is not None and t is torch.dtype:
+        return lambda obj: ("dtype", str(obj).removeprefix("torch."))
+    if torch is not None and t is torch.device:
+        return lambda obj: ("device", str(obj))
+    hf = _hf_config_class()
+    if not (_is_vllm(t.__module__) or (hf is not None and issubclass(t, hf))):
+        return None
+    name = f"{t.__module__}:{t.__qualname__}"
+    if issubclass(t, enum.Enum):
+        return lambda obj: (name, obj.value)
+    fields = getattr(t, "__struct_fields__", None)
+    if fields is not None:
+        return lambda obj: (name, {f: getattr(obj, f) for f in fields})
+    if issubclass(t, tuple):
+        return lambda obj: (name, list(obj))
+    state = _state_of(t)
+    return lambda obj: (name, state(obj))
+
+
+def _expect(kind: type, make: Callable[[Any], Any]) -> Callable[[str, Any], Any]:
+    def build(name: str, state: Any) -> Any:
+        if type(state) is not kind:
+            raise CodecError(f"malformed {name}")
+        return make(state)
+    return build
+
+
+_BUILTINS: dict[str, Callable[[str, Any], Any]] = {
+    "set": _expect(list, set), "frozenset": _expect(list, frozenset),
+    "Counter": _expect(dict, collections.Counter), "class": _expect(str, str),
+    "dtype": lambda name, state: _torch_dtype(state),
+    "device": lambda name, state: _torch_device(state),
+}
+
+
+def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
+    """How to make an object of the type ``name`` from its state, or CodecError."""
+    if name in _BUILTINS:
+        return _BUILTINS[name]
+    cls = _wire_class(name, state)
+    if issubclass(cls, enum.Enum):
+        return lambda name, state: cls(state)
+    if hasattr(cls, "__struct_fields__"):
+        return _expect(dict, lambda state: cls(**state))
+    if issubclass(cls, tuple):
+        return _expect(list, lambda state: cls(*state))
+    if getattr(cls, "__setstate__", None) is not None and \
+            getattr(cls, "__getstate__", object.__getstate__) is not object.__getstate__:
+        def restore(name: str, state: Any) -> Any:
+            obj = cls.__new__(cls)
             obj.__setstate__(state)
             return obj
-        if type(state) is not dict or not all(type(k) is str for k in state):
+        return restore
+
+    slotted = any("__slots__" in vars(c) for c in cls.__mro__[:-1])
+
+    def fill(name: str, state: Any) -> Any:  # as pickle does: no __init__
+        if type(state) is not dict or not set(map(type, state)) <= {str}:
             raise CodecError(f"malformed {name}")
-        for key, value in state.items():
-            object.__setattr__(obj, key, value)
+        obj = cls.__new__(cls)
+        if slotted:
+            for key, value in state.items():
+                object.__setattr__(obj, key, value)
+        else:
+            obj.__dict__.update(state)
         return obj
+    return fill
+
+
+def _torch_device(state: Any) -> Any:
+    import torch
+
+    if type(state) is not str or len(state) > 32:
+        raise CodecError("malformed torch.device")
+    return torch.device(state)
 
 
 def _torch_dtype(state: Any) -> Any:
