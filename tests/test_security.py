@@ -290,7 +290,17 @@ def test_follower_exposes_no_port():
 def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     """Random messages of every shape (joins with random fields among them) on the
     leader's PULL port while it waits for its node: none may crash or block it,
-    and the real node still joins."""
+    and the real node still joins. The fuzz must have run the whole time (a fuzz
+    thread that died fails the test) and reached the leader (undecodable ones were
+    counted); no message may have broken a handler or the I/O loop (each would be
+    counted as "handler" or "io-loop"); and rank 1 is the real node, not a
+    fuzzed join. Sabotage: drop ``if type(node_id) is str`` in
+    ``Leader._on_refused`` → fails (143 "handler" drops: an unhashable node id
+    breaks it; the node still joins, so the old test passed); drop the type
+    checks at the top of ``Leader._on_join`` → fails (a join with a non-str id
+    breaks every later welcome: the node never joins); have ``codec.encode``
+    raise TypeError instead of CodecError for what it cannot encode, and fuzz a
+    set → fails (the fuzz thread died after 8 messages; it was only a warning)."""
     import random
     import threading
 
@@ -320,15 +330,20 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     push.setsockopt(zmq.LINGER, 0)
     push.connect(f"tcp://127.0.0.1:{port + 1}")
     stop = threading.Event()
+    fuzz = {"sent": 0, "error": None}
 
-    def fuzz():
-        while not stop.is_set():
-            try:
-                push.send_multipart(message(), zmq.NOBLOCK)
-            except (zmq.Again, zbus.CodecError):
-                pass
+    def run_fuzz():
+        try:
+            while not stop.is_set():
+                try:
+                    push.send_multipart(message(), zmq.NOBLOCK)
+                    fuzz["sent"] += 1
+                except zmq.Again:
+                    time.sleep(0.001)  # the leader is not there yet, or is busy
+        except BaseException as e:  # noqa: BLE001 - the test fails on it below
+            fuzz["error"] = e
 
-    t = threading.Thread(target=fuzz)
+    t = threading.Thread(target=run_fuzz)
     t.start()
     proc = None
     try:
@@ -338,8 +353,14 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
                            master_port=port, join_timeout=60) as ex:
             stop.set()
             t.join(5)
+            assert not t.is_alive() and fuzz["error"] is None, fuzz
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
-            assert ex._leader.dropped > 0
+            drops = ex._leader.dropped_by
+            print(f"{fuzz['sent']} fuzzed messages; dropped: {drops}")
+            assert fuzz["sent"] >= 200, fuzz
+            assert drops.get("undecodable", 0) > 0, drops
+            assert not {"handler", "io-loop"} & set(drops), drops
+            assert ex._leader.nodes[1].pid == proc.pid
     finally:
         stop.set()
         t.join(5)
