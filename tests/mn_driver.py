@@ -74,7 +74,14 @@ def lost() -> None:
 
 
 def blip() -> None:
-    """Calls with checksums, non-stop for 8 s, while the test cuts a link briefly."""
+    """Checksummed calls, 8 in flight, non-stop for 8 s while the test cuts a link
+    briefly. Each worker takes 50 ms a call, so a call waits some 0.4 s for its
+    answer: the calls handed over just before the cut are still in flight when it
+    takes effect. Reports the calls, the wrong replies, the error that ended them
+    if one did, and when each call was handed over (``collective_rpc`` returned)
+    and answered (its future done), by ``time.monotonic()``, which the test's
+    process reads too."""
+    import collections
     import random
     import zlib
 
@@ -82,14 +89,27 @@ def blip() -> None:
     with executor() as ex:
         ex.collective_rpc("noop", timeout=30)
         out(ready=True)
-        calls = bad = 0
-        end = time.monotonic() + 8
-        while time.monotonic() < end:
-            payload = rng.randbytes(rng.randint(0, 200_000))
-            replies = ex.collective_rpc("crc", args=(calls, payload), timeout=30)
-            bad += sum(tuple(r) != (calls, zlib.crc32(payload)) for r in replies)
-            calls += 1
-        out(calls=calls, bad=bad, error=None)
+        sent: list[float] = []
+        answered: list[float | None] = []
+        pending: collections.deque = collections.deque()
+        bad, error = 0, None
+        try:
+            end = time.monotonic() + 8
+            while pending or time.monotonic() < end:
+                if len(pending) < 8 and time.monotonic() < end:
+                    i = len(sent)
+                    payload = rng.randbytes(rng.randint(0, 200_000))
+                    answered.append(None)
+                    fut = ex.collective_rpc("crc", args=(i, payload, 0.05), non_block=True, timeout=30)
+                    sent.append(time.monotonic())
+                    fut.add_done_callback(lambda f, i=i: answered.__setitem__(i, time.monotonic()))
+                    pending.append((i, zlib.crc32(payload), fut))
+                    continue
+                i, crc, fut = pending.popleft()
+                bad += sum(tuple(r) != (i, crc) for r in fut.result(timeout=30))
+        except (zbus.ZbusError, TimeoutError) as e:
+            error = f"{type(e).__name__}: {e}"
+        out(calls=len(sent), bad=bad, error=error, sent=sent, answered=answered)
 
 
 def hold(busy: bool = False) -> None:

@@ -356,29 +356,59 @@ def test_tensor_parallel_example_runs():
 
 
 def test_worker_message_handling_byte_for_byte():
+    """Each reply is taken as the frames it is sent as (``codec.encode`` of what the
+    worker hands on) and compared, frame for frame, with bytes written here with
+    plain msgpack from the wire format (zbus.protocol, zbus.codec): an answer's
+    value, an error's type and message (its traceback text alone is taken from
+    what was sent), a large bytes value as a frame of its own.
+    Sabotage: in ``run_call`` (zbus/worker.py) answer a raised exception with its
+    text (``return f"{type(e).__name__}: {e}", protocol.RAISED``) → fails (the
+    old test checked only the status, and "in str(value)"); send ``float(seq)``
+    in ``handle`` → fails (7.0 == 7 once decoded)."""
+    import msgpack
+
     from zbus import codec, protocol
     from zbus.worker import ReplyPipe, handle
 
+    def pack(*items) -> bytes:
+        return msgpack.packb(list(items), use_bin_type=True)
+
+    def tup(*items) -> msgpack.ExtType:  # a tuple travels as an extension around its list
+        return msgpack.ExtType(codec._TUPLE, pack(*items))
+
     worker = workers.EchoWorker.__new__(workers.EchoWorker)
     worker.rank, worker.tag, worker.calls = 0, "w", 0
-    sent: list = []
-    replies = ReplyPipe(lambda reply: sent.append(b"".join(codec.encode(reply))))  # the bytes sent
+    sent: list = []  # the frames of each reply, as bytes
+    replies = ReplyPipe(lambda reply: sent.append([bytes(f) for f in codec.encode(reply)]))
 
-    def call(method, payload, reply_rank=-1):
+    def call(method, payload, reply_rank=-1) -> list[bytes]:
         envelope = codec.encode([protocol.CALL, 7, method, reply_rank, len(payload)])
         assert handle(worker, [*envelope, *payload], replies, False)
-        wire = sent.pop()
-        reply = codec.decode([wire])
-        if reply[1] == protocol.OK:  # an answer is exactly the encoding of [seq, OK, value]
-            assert wire == b"".join(codec.encode([7, protocol.OK, reply[2]]))
-        return reply
+        frames = sent.pop()
+        assert not sent
+        return frames
+
+    def error(frames: list[bytes], status: int, type_name: str, message: str) -> None:
+        traceback = getattr(codec.decode(frames)[2], "traceback", "")
+        info = msgpack.ExtType(codec._EXCEPTION, pack(type_name, message, traceback))
+        assert frames == [pack(7, status, info)]
+        assert traceback.startswith("Traceback") or status == protocol.REFUSED
 
     # a call without arguments carries the one pre-encoded frame
-    assert call("echo", [protocol.NO_ARGS]) == [7, protocol.OK, ((), {})]
-    assert call("echo", codec.encode(((1, "x"), {"k": 2}))) == [7, protocol.OK, ((1, "x"), {"k": 2})]
-    assert call("rank_value", [protocol.NO_ARGS])[1] == protocol.RAISED  # its argument is missing
-    status, value = call("echo", [b"\xc1"])[1:]
-    assert status == protocol.REFUSED and "cannot decode the arguments" in str(value)
+    assert call("echo", [protocol.NO_ARGS]) == [pack(7, protocol.OK, tup(tup(), {}))]
+    assert pack(7, protocol.OK, tup(tup(), {})) == b"\x93\x07\x00\xc7\x05\x01\x92\xd4\x01\x90\x80"
+    assert call("echo", codec.encode(((1, "x"), {"k": 2}))) == [pack(7, protocol.OK, tup(tup(1, "x"),
+                                                                                        {"k": 2}))]
+    big = os.urandom(codec.OOB_THRESHOLD)  # a tuple's large bytes item: a frame of its own
+    by_ref = msgpack.ExtType(codec._BYTES, pack(0, 0))  # kind bytes, frame 0 after the header
+    assert call("echo", codec.encode(((big, 3.5), {}))) == [pack(7, protocol.OK, tup(tup(by_ref, 3.5), {})),
+                                                             big]
+    error(call("rank_value", [protocol.NO_ARGS]), protocol.RAISED, "TypeError",
+          "EchoWorker.rank_value() missing 1 required positional argument: 'x'")
+    frames = call("echo", [b"\xc1"])
+    why = getattr(codec.decode(frames)[2], "message", "")
+    assert why.startswith("cannot decode the arguments of 'echo': ")
+    error(frames, protocol.REFUSED, "zbus.errors.ZbusError", why)
     envelope = codec.encode([protocol.CALL, 8, "echo", 1, 1])  # only rank 1 replies
     assert handle(worker, [*envelope, protocol.NO_ARGS], replies, False) and not sent
     assert not handle(worker, codec.encode([protocol.STOP]), replies, False)

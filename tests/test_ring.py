@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 from conftest import TEST_PATH, end_process, spawn_python, zbus_segments
-from ring_procs import make_message
+from ring_procs import end_message, make_message
 
 from zbus import shm
 from zbus.config import RingGeometry, WaitPolicy
@@ -27,15 +27,17 @@ from zbus.ring import RingReader, RingWriter
 NO_RESCUE = {"ZBUS_WAIT_SLICE": "600"}
 
 
-def start_readers(writer: RingWriter, n: int, count: int, delays=None, env=None) -> list[psutil.Popen]:
+def start_readers(writer: RingWriter, n: int, delays=None, env=None) -> list[psutil.Popen]:
     handle = json.dumps(writer.handle.to_dict())
     delays = delays or [0.0] * n
     return [spawn_python("import sys, ring_procs; ring_procs.check_reader(sys.argv[1], int(sys.argv[2]), "
-                         "int(sys.argv[3]), float(sys.argv[4]))", handle, str(i), str(count),
-                         str(delays[i]), stdout=subprocess.PIPE, env=env or {}) for i in range(n)]
+                         "float(sys.argv[3]))", handle, str(i), str(delays[i]),
+                         stdout=subprocess.PIPE, env=env or {}) for i in range(n)]
 
 
-def collect(readers: list[psutil.Popen], timeout: float = 120) -> list[dict]:
+def collect(writer: RingWriter, readers: list[psutil.Popen], timeout: float = 120) -> list[dict]:
+    """Send the end message, then each reader's summary (see ring_procs.check_reader)."""
+    writer.send(end_message(), timeout=60)
     out = []
     for proc in readers:
         stdout, _ = proc.communicate(timeout=timeout)
@@ -44,11 +46,20 @@ def collect(readers: list[psutil.Popen], timeout: float = 120) -> list[dict]:
     return out
 
 
+def counts(results: list[dict]) -> list[tuple[int, int, int]]:
+    """(received, out of sequence, corrupted) of each reader."""
+    return [(r["received"], r["out_of_sequence"], r["corrupted"]) for r in results]
+
+
 def test_100k_messages_three_readers_every_message_once_in_order():
+    """Each reader counts what it received until the end message (no reader is
+    told how many to expect). Sabotage: lose the 5000th message in
+    ``RingWriter.send`` (return at once when a call counter reaches 5000) → fails:
+    99 999 received, 1 out of sequence."""
     geo = RingGeometry(1024, 16)
     writer = RingWriter.create(3, geo, WaitPolicy.from_env())
     count = 100_000
-    readers = start_readers(writer, 3, count)
+    readers = start_readers(writer, 3)
     rng = random.Random(7)
     digest = hashlib.blake2b()
     try:
@@ -56,48 +67,54 @@ def test_100k_messages_three_readers_every_message_once_in_order():
             payload = rng.randbytes(rng.randint(0, 3 * geo.chunk_bytes))
             digest.update(payload)
             writer.send(make_message(i, payload), timeout=60)
-        results = collect(readers)
+        results = collect(writer, readers)
     finally:
         for r in readers:
             end_process(r)
         writer.close()
-    assert [r["count"] for r in results] == [count] * 3
+    assert counts(results) == [(count, 0, 0)] * 3
     assert {r["digest"] for r in results} == {digest.hexdigest()}
 
 
 def test_message_larger_than_ring_streams_through_shared_memory():
     writer = RingWriter.create(1, RingGeometry(64 * 1024, 8))  # 512 KiB of ring
     payload = os.urandom(64 * 2**20)
-    readers = start_readers(writer, 1, 1)
+    readers = start_readers(writer, 1)
     try:
         writer.send(make_message(0, payload), timeout=60)
-        (result,) = collect(readers)
+        (result,) = collect(writer, readers)
     finally:
         for r in readers:
             end_process(r)
         writer.close()
+    assert counts([result]) == [(1, 0, 0)]
     assert result["digest"] == hashlib.blake2b(payload).hexdigest()
 
 
 def test_slow_reader_blocks_writer_then_nothing_is_lost():
+    """Reader 1 sleeps 1.5 s after attaching; 64 messages cannot fit in 4 chunks, so
+    the writer is still sending when reader 1 wakes (both processes read the same
+    monotonic clock): it waited for the sleeping reader, not merely for the
+    readers to start. Sabotage: leave reader 1 out of ``_refresh_min_read``
+    (``if r == 1: continue``) → fails: the writer is done before reader 1 wakes."""
     geo = RingGeometry(1024, 4)
     writer = RingWriter.create(2, geo)
     count = 64
-    readers = start_readers(writer, 2, count, delays=[0.0, 1.5])
+    readers = start_readers(writer, 2, delays=[0.0, 1.5])
     payloads = [os.urandom(700) for _ in range(count)]
     try:
-        t0 = time.monotonic()
         for i, p in enumerate(payloads):
             writer.send(make_message(i, p), timeout=30)
-        blocked_for = time.monotonic() - t0
-        results = collect(readers)
+        done = time.monotonic()
+        results = collect(writer, readers)
     finally:
         for r in readers:
             end_process(r)
         writer.close()
-    # 64 messages cannot fit in 4 chunks: the writer waited for the sleeping reader.
-    assert blocked_for > 1.0
+    assert done > results[1]["woke"], f"the writer was done {results[1]['woke'] - done:.2f} s before " \
+                                      "the sleeping reader woke"
     digest = hashlib.blake2b(b"".join(payloads)).hexdigest()
+    assert counts(results) == [(count, 0, 0)] * 2
     assert [r["digest"] for r in results] == [digest, digest]
 
 
@@ -301,7 +318,7 @@ def test_no_lost_wakeup_bursts_with_idle_gaps():
     rng = random.Random(3)
     plan = [rng.randint(1, 12) for _ in range(300)]
     count = sum(plan)
-    readers = start_readers(writer, 2, count, env=NO_RESCUE)
+    readers = start_readers(writer, 2, env=NO_RESCUE)
     digest = hashlib.blake2b()
     i = 0
     try:
@@ -312,11 +329,12 @@ def test_no_lost_wakeup_bursts_with_idle_gaps():
                 writer.send(make_message(i, payload), timeout=60)
                 i += 1
             time.sleep(rng.choice([0, 0.0005, 0.002, 0.01]))
-        results = collect(readers)
+        results = collect(writer, readers)
     finally:
         for r in readers:
             end_process(r)
         writer.close()
+    assert counts(results) == [(count, 0, 0)] * 2
     assert [r["digest"] for r in results] == [digest.hexdigest()] * 2
     print(f"worst wake-up latency over {count} messages: "
           f"{max(r['worst_latency'] for r in results) * 1e3:.1f} ms")

@@ -33,9 +33,11 @@ class EchoWorker(zbus.Worker):
     def noop(self):
         return None
 
-    def crc(self, seq, payload):
+    def crc(self, seq, payload, delay=0.0):
+        """(seq, crc32 of payload), after ``delay`` s (keeps calls in flight longer)."""
         import zlib
 
+        time.sleep(delay)
         return seq, zlib.crc32(payload)
 
     def env_of(self, names):

@@ -431,7 +431,7 @@ class Leader:
 
     def _on_join(self, node_id: Any, info: Any) -> None:
         if type(node_id) is not str or not isinstance(info, dict):
-            self._drop("a malformed join request")
+            self._drop("a malformed join request", "bad-join")
             return
         if node_id in self._probing or any(n.node_id == node_id for n in self.nodes.values()):
             return  # a repeated join of a node already welcomed
@@ -445,7 +445,7 @@ class Leader:
             # node is welcomed as soon as a join and its subscription are both here,
             # and it sends its join again every 2 s.
             self._joins.pop(next(iter(self._joins)))
-            self.metrics.dropped()
+            self.metrics.dropped(reason="join-flood")
         self._joins[node_id] = info
         self._welcome_ready()
 
@@ -508,7 +508,7 @@ class Leader:
         """A welcomed node would not start the workers (see zbus.agent)."""
         node = self._probing.get(node_id) if type(node_id) is str else None
         if node is None:
-            self.metrics.dropped()
+            self.metrics.dropped(reason="stray-refused")
             return
         self._fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
                                        f"workers: {brief(reason)}"))
@@ -582,16 +582,17 @@ class Leader:
         except CodecError as e:
             reply = _undecodable_reply(frames, e)
             if reply is None:
-                self._drop(f"a malformed message from the network: {e}")
+                self._drop(f"a malformed message from the network: {e}", "undecodable")
             return reply
         except zmq.ZMQError as e:
-            self._drop(f"a message that could not be read: {e}")
+            self._drop(f"a message that could not be read: {e}", "unreadable")
             return None
         if type(msg) is not list or not msg:
-            self._drop(f"a message of the wrong shape: {brief(msg)}")
+            self._drop(f"a message of the wrong shape: {brief(msg)}", "shape")
             return None
         if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
-            self._drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it")
+            self._drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it",
+                       "not-owner")
             return None
         return msg
 
@@ -631,7 +632,8 @@ class Leader:
                     self._fail(ExecutorFailedError(f"leader I/O failed: {e}"))
                 return
             except Exception as e:  # noqa: BLE001 - nothing a peer sends may stop heartbeats
-                self._drop(f"a message that broke the I/O loop: {type(e).__name__}: {brief(str(e))}")
+                self._drop(f"a message that broke the I/O loop: {type(e).__name__}: {brief(str(e))}",
+                           "io-loop")
                 self._stop.wait(0.05)  # no busy loop if it happens again at once
 
     def _step(self, next_hb: float) -> float:
@@ -702,7 +704,7 @@ class Leader:
             if type(kind) is int or (type(kind) is str and kind == "hb"):
                 self._dispatch_safely(msg)
             elif len(self._control) >= MAX_CONTROL_BACKLOG:
-                self._drop("a control message: too many are waiting")
+                self._drop("a control message: too many are waiting", "backlog")
             else:
                 self._control.append(msg)
                 self._wake.set()
@@ -711,7 +713,7 @@ class Leader:
         try:
             self._dispatch(msg)
         except Exception as e:  # noqa: BLE001 - a bad message must not stop the reader
-            self._drop(f"a message that broke its handler: {type(e).__name__}: {brief(str(e))}")
+            self._drop(f"a message that broke its handler: {type(e).__name__}: {brief(str(e))}", "handler")
 
     def _read_subscriptions(self) -> None:
         """Take the XPUB socket's subscription notices (a node topic means a node
@@ -747,7 +749,7 @@ class Leader:
         if type(kind) is int:
             receiver = self.receivers.get(kind)
             if receiver is None or len(msg) != 4:
-                self._drop(f"a reply for unknown rank {kind!r}")
+                self._drop(f"a reply for unknown rank {kind!r}", "unknown-rank")
                 return
             with self.cond:
                 receiver.put(msg)
@@ -778,11 +780,12 @@ class Leader:
         elif kind == "status" and len(msg) == 2:
             self._answer_status(msg[1])
         else:
-            self._drop(f"an unknown control message {brief(kind)}")
+            self._drop(f"an unknown control message {brief(kind)}", "unknown-kind")
 
-    def _drop(self, what: str) -> None:
-        """Count a dropped message; log it, at most once a second under a flood."""
-        self.metrics.dropped()
+    def _drop(self, what: str, reason: str) -> None:
+        """Count a dropped message under ``reason`` (see :attr:`dropped_by`); log it,
+        at most once a second under a flood."""
+        self.metrics.dropped(reason=reason)
         now = time.monotonic()
         if now - self._last_drop_log >= 1.0:
             since = self.metrics.dropped_frames - self._drops_logged
@@ -846,9 +849,20 @@ class Leader:
         """Messages from the network dropped as malformed or unexpected."""
         return self.metrics.dropped_frames
 
+    @property
+    def dropped_by(self) -> dict[str, int]:
+        """:attr:`dropped` by reason: ``undecodable`` (the codec refused it: garbage,
+        truncated, too deep, a frame used twice, data that does not match its
+        declared shape), ``shape`` (not a non-empty list), ``unknown-rank`` (a reply
+        for no remote rank), ``unknown-kind``, ``bad-join``, ``join-flood``,
+        ``stray-refused``, ``bad-status``, ``not-owner`` (a key speaking for another
+        node), ``handler`` / ``io-loop`` (a message that broke its handler),
+        ``backlog`` (too many control messages waiting), ``unreadable``."""
+        return self.metrics.drops()
+
     def _answer_status(self, token: Any) -> None:
         if type(token) is not str or not 0 < len(token) <= 64 or self._status is None:
-            self.metrics.dropped()
+            self.metrics.dropped(reason="bad-status")
             return
         self._send(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0)
 

@@ -52,6 +52,7 @@ class Metrics:
         self.latency = Histogram()
         self.heartbeats: dict[int, int] = {}
         self.dropped_frames = 0
+        self.dropped_by: dict[str, int] = {}  # the same messages, by why they were dropped
 
     def rpc_done(self, seconds: float, error: BaseException | None) -> None:
         with self._lock:
@@ -69,9 +70,15 @@ class Metrics:
         with self._lock:
             self.heartbeats[node_rank] = self.heartbeats.get(node_rank, 0) + 1
 
-    def dropped(self, n: int = 1) -> None:
+    def dropped(self, n: int = 1, reason: str = "other") -> None:
         with self._lock:
             self.dropped_frames += n
+            self.dropped_by[reason] = self.dropped_by.get(reason, 0) + n
+
+    def drops(self) -> dict[str, int]:
+        """Dropped messages by reason."""
+        with self._lock:
+            return dict(self.dropped_by)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -79,7 +86,8 @@ class Metrics:
             return {"uptime_s": time.time() - self.started, "rpcs": self.rpcs,
                     "errors": dict(self.errors), "bytes_sent": self.bytes_sent,
                     "latency_s": pct, "latency_buckets": list(zip(BUCKETS, self.latency.counts)),
-                    "heartbeats": dict(self.heartbeats), "dropped_frames": self.dropped_frames}
+                    "heartbeats": dict(self.heartbeats), "dropped_frames": self.dropped_frames,
+                    "dropped_by": dict(self.dropped_by)}
 
 
 def serve_prometheus(metrics: Metrics, port: int, addr: str, describe: Any = None) -> Any:
