@@ -91,6 +91,28 @@ def test_message_larger_than_ring_streams_through_shared_memory():
     assert result["digest"] == hashlib.blake2b(payload).hexdigest()
 
 
+def test_a_frame_given_in_parts_arrives_whole_in_a_chunk_and_streamed():
+    """A node agent hands a frame that came over a keyed link in parts; the ring
+    writes them back to back. Both paths: a message that fits one chunk, and one
+    streamed through many. Sabotage: skip a part in ``_send_small`` or in the
+    streamed pieces -> a reader's crc fails (corrupted) or its digest differs."""
+    writer = RingWriter.create(1, RingGeometry(64 * 1024, 8))
+    small, large = os.urandom(40_000), os.urandom(3 * 2**20 + 7)
+    readers = start_readers(writer, 1)
+    try:
+        for i, payload in enumerate((small, large)):
+            meta, _ = make_message(i, payload)
+            cut = len(payload) // 3
+            writer.send([meta, (payload[:cut], b"", memoryview(payload)[cut:])], timeout=60)
+        (result,) = collect(writer, readers)
+    finally:
+        for r in readers:
+            end_process(r)
+        writer.close()
+    assert counts([result]) == [(2, 0, 0)]
+    assert result["digest"] == hashlib.blake2b(small + large).hexdigest()
+
+
 def test_slow_reader_blocks_writer_then_nothing_is_lost():
     """Reader 1 sleeps 1.5 s after attaching; 64 messages cannot fit in 4 chunks, so
     the writer is still sending when reader 1 wakes (both processes read the same

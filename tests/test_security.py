@@ -18,7 +18,7 @@ from conftest import end_process
 from test_cluster import follower, free_port_pair
 
 import zbus
-from zbus import codec
+from zbus import codec, protocol
 from zbus.curve import keygen
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
@@ -567,3 +567,46 @@ def test_an_unkeyed_leader_on_a_non_loopback_address_starts_only_when_insecure(m
         assert proc.wait(30) == 0
     finally:
         end_process(proc)
+
+
+def test_a_keyed_link_carries_large_frames_in_parts_and_the_workers_get_them_whole(monkeypatch):
+    """CurveZMQ costs less on 1 MiB parts than on one 16 MiB part: on a keyed link
+    the leader cuts large frames, and the node's agent writes the parts back to
+    back into its ring. Sabotage: ``from_parts`` joining the parts in another
+    order, or dropping one -> the remote worker's checksum differs (or the call
+    fails); ``wire`` not cutting -> the parts check fails."""
+    import zlib
+
+    monkeypatch.setenv("ZBUS_SECRET", SECRET)
+    monkeypatch.delenv("ZBUS_CURVE_DIR", raising=False)
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, join_timeout=60) as ex:
+            bcast = ex._leader.bcast
+            for size in (protocol.PART_BYTES, 3 * protocol.PART_BYTES + 12345):
+                payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+                frames = [protocol.call_envelope(1, "crc", -1, 2), *codec.encode(((7, payload), {}))]
+                wire = bcast.wire(b"R", frames)
+                assert (len(wire) > len(frames) + 1) == (size > protocol.PART_BYTES)
+                got = ex.collective_rpc("crc", args=(7, payload), timeout=30)
+                assert got == [(7, zlib.crc32(payload))] * 2
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
+def test_part_counts_that_do_not_fit_their_parts_are_refused():
+    """Sabotage: a ``from_parts`` that trusts the counts -> an IndexError or a
+    frame made of too few parts instead of a CodecError."""
+    parts = [b"a", b"b", b"c"]
+    assert protocol.from_parts(msgpack.packb([1, 2]), parts) == [b"a", (b"b", b"c")]
+    for counts in ([1, 1], [1, 3], [0, 3], [3, -0], [], {"a": 1}, [1.0, 2], [2**64 - 1]):
+        with pytest.raises(zbus.CodecError):
+            protocol.from_parts(msgpack.packb(counts), parts)
+    with pytest.raises(zbus.CodecError):
+        protocol.from_parts(b"\xc1", parts)
+    counts, cut = protocol.in_parts([b"e" * (2 * protocol.PART_BYTES), b"x" * (protocol.PART_BYTES + 1)])
+    assert msgpack.unpackb(counts) == [1, 2] and [len(p) for p in cut] == [
+        2 * protocol.PART_BYTES, protocol.PART_BYTES, 1]

@@ -317,6 +317,7 @@ class NodeAgent:
         poller = zmq.Poller()
         poller.register(self.sub, zmq.POLLIN)
         poller.register(self._death_r, zmq.POLLIN)
+        call_topics = (TOPIC_RPC, node_topic(self.node_id) + TOPIC_RPC)
         while True:
             self._tick()
             # wake for the next heartbeat or the moment the leader would be lost
@@ -330,12 +331,10 @@ class NodeAgent:
                     self._tick()  # a sustained stream must not starve the heartbeats
                     frames = self._take()
                     topic = frames[0].bytes
-                    if topic == TOPIC_RPC:
-                        self._relay([f.buffer for f in frames[1:]])
+                    if topic.removesuffix(protocol.PARTS) in call_topics:  # (node topic: sent again)
+                        self._relay(self._call_frames(topic, frames[1:]))
                     elif topic in PROBE_TOPICS:
                         self._on_probe(topic, self._decode(frames[1:]))
-                    elif topic == node_topic(self.node_id) + TOPIC_RPC:  # calls sent again
-                        self._relay([f.buffer for f in frames[1:]])
                     elif topic == node_topic(self.node_id):
                         msg = self._decode(frames[1:])
                         if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
@@ -425,6 +424,15 @@ class NodeAgent:
             frames = self._read()
             self._backlog_bytes += sum(len(f) for f in frames)
             self._backlog.append(frames)
+
+    @staticmethod
+    def _call_frames(topic: bytes, frames: list) -> list:
+        if not topic.endswith(protocol.PARTS):
+            return [f.buffer for f in frames]
+        try:
+            return protocol.from_parts(frames[0].buffer, [f.buffer for f in frames[1:]])
+        except CodecError as e:  # only the leader can send here (it is keyed): a defect
+            raise ZbusError(f"a malformed call from the leader: {e}") from None
 
     def _relay(self, frames: list) -> None:
         self._poll_until = time.monotonic() + self._poll_s

@@ -829,7 +829,8 @@ class Leader:
             if not self.xpub_lock.acquire(timeout=1.0):
                 return False
             try:
-                send_frames(self.bcast.xpub, [topic, *frames], deadline_of(1.0), "send calls again")
+                send_frames(self.bcast.xpub, self.bcast.wire(topic, frames), deadline_of(1.0),
+                            "send calls again")
             except TimeoutError:
                 return False
             finally:
@@ -840,7 +841,8 @@ class Leader:
         """Send to the nodes only (the local ring may be aborted after a failure)."""
         if self.xpub_lock.acquire(timeout=max(0.0, deadline - time.monotonic()) if deadline else -1):
             try:
-                send_frames(self.bcast.xpub, [TOPIC_RPC, *frames], deadline, "broadcast to nodes")
+                send_frames(self.bcast.xpub, self.bcast.wire(TOPIC_RPC, frames), deadline,
+                            "broadcast to nodes")
             finally:
                 self.xpub_lock.release()
 

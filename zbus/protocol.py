@@ -12,6 +12,11 @@ Broadcast (driver -> every worker), encoded with :mod:`zbus.codec`:
 The envelope is plain msgpack (no extension types), so it is decoded without the
 codec's hooks.
 
+On a keyed link a call's frames larger than ``PART_BYTES`` travel cut in parts
+(:func:`in_parts`): the topic ends with ``PARTS`` and a frame of the part counts
+(plain msgpack) comes first; the node agent writes the parts of a frame back to
+back into its ring (:func:`from_parts`), so its workers see the frames sent.
+
 Reply (one worker -> the driver): ``[rank, seq, status, value]``; the READY reply
 has ``seq == READY``. ``status`` says what ``value`` is: the result (OK), the
 exception the method raised (RAISED, as :class:`zbus.codec.ExceptionInfo`), or why
@@ -47,3 +52,41 @@ def read_envelope(frame: Any) -> list:
                                    and type(envelope[1]) is type(envelope[3]) is type(envelope[4]) is int):
         raise CodecError(f"not a call envelope: {str(envelope)[:100]}")
     return envelope
+
+
+# CurveZMQ encrypts one message part at a time, each with a copy in and out: a
+# 16 MiB frame in 1 MiB parts is encrypted by the sender while the receiver
+# decrypts the parts before, in cache, in half the time (docs/benchmarks.md#curve).
+PART_BYTES = 1 << 20
+PARTS = b"*"  # a topic's suffix: the frames come in parts
+
+
+def in_parts(frames: list) -> tuple[bytes, list]:
+    """(the part counts frame, the frames with each over ``PART_BYTES`` but the
+    envelope cut in parts); (b"", frames) when none is."""
+    views = [memoryview(f).cast("B") for f in frames]
+    if all(v.nbytes <= PART_BYTES for v in views[1:]):
+        return b"", frames
+    counts, parts = [], []
+    for i, v in enumerate(views):
+        n = 1 if i == 0 else max(1, -(-v.nbytes // PART_BYTES))  # the envelope stays whole
+        counts.append(n)
+        parts.extend([v] if n == 1 else (v[i * PART_BYTES:(i + 1) * PART_BYTES] for i in range(n)))
+    return msgpack.packb(counts), parts
+
+
+def from_parts(counts_frame: Any, parts: list) -> list:
+    """The frames again: a frame cut in parts as a tuple of them (a ring writes
+    them back to back). :class:`CodecError` for counts that do not fit."""
+    try:
+        counts = msgpack.unpackb(counts_frame, use_list=True, max_array_len=len(parts))
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types on bad input
+        raise CodecError(f"cannot decode the part counts: {type(e).__name__}: {e}") from None
+    if not (type(counts) is list and counts and all(type(n) is int and n > 0 for n in counts)
+            and sum(counts) == len(parts)):
+        raise CodecError(f"part counts {str(counts)[:100]} do not fit {len(parts)} parts")
+    frames, at = [], 0
+    for n in counts:
+        frames.append(parts[at] if n == 1 else tuple(parts[at:at + n]))
+        at += n
+    return frames

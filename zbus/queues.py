@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from . import codec
+from . import codec, protocol
 from .errors import Cancelled, SendTimeout, ZbusError
 from .ring import RingHandle, RingReader, RingWriter
 
@@ -138,6 +138,7 @@ class Broadcaster:
                  configure: Callable[[zmq.Socket], None] | None = None):
         self.ring = ring if ring is not None else (RingWriter.create(n_local) if n_local else None)
         self.xpub: zmq.Socket | None = None
+        self.in_parts = False  # large frames cut in parts on the XPUB socket (a keyed one)
         self.port = 0
         self.subscribers: list[bytes] = []
         if host is not None:
@@ -149,6 +150,7 @@ class Broadcaster:
             self.xpub.setsockopt(zmq.MAXMSGSIZE, 4096)  # it only receives subscriptions (and a handshake)
             if configure is not None:  # e.g. CurveZMQ keys, which must precede bind
                 configure(self.xpub)
+            self.in_parts = bool(self.xpub.getsockopt(zmq.CURVE_SERVER))
             self.port = bind(self.xpub, host, port, port_range)
 
     @property
@@ -191,8 +193,8 @@ class Broadcaster:
         trackers: list = []
         if self.xpub is not None:
             with lock if lock is not None else contextlib.nullcontext():
-                trackers = send_frames(self.xpub, [topic, *frames], deadline, "broadcast to remote nodes",
-                                       cancel, wait_release=False)
+                trackers = send_frames(self.xpub, self.wire(topic, frames), deadline,
+                                       "broadcast to remote nodes", cancel, wait_release=False)
         try:
             if ring is not None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -202,6 +204,15 @@ class Broadcaster:
                     raise SendTimeout(str(e), queued=True) from None
         finally:  # even on a timeout: the caller may reuse its buffers once we return
             wait_released(trackers, "broadcast to remote nodes", cancel)
+
+    def wire(self, topic: bytes, frames: Sequence[Any]) -> list:
+        """A call as the XPUB socket sends it: on a keyed link, its large frames in
+        parts (see :func:`zbus.protocol.in_parts`)."""
+        if self.in_parts:
+            counts, parts = protocol.in_parts(list(frames))
+            if counts:
+                return [topic + protocol.PARTS, counts, *parts]
+        return [topic, *frames]
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the ring and the XPUB socket; ``linger_s`` lets queued messages out."""

@@ -259,7 +259,8 @@ class RingWriter(_Ring):
 
     def send(self, frames: Sequence[Buffer], timeout: float | None = None, cancel: Any = None,
              on_full: Callable[[], None] | None = None) -> None:
-        """Publish one message made of ``frames`` to every reader.
+        """Publish one message made of ``frames`` to every reader. A frame may be
+        given as a tuple of buffers: its parts, written back to back.
 
         Blocks while the ring is full, at most ``timeout`` seconds, then raises
         :class:`~zbus.errors.SendTimeout` (a TimeoutError; ``queued`` says whether
@@ -271,9 +272,8 @@ class RingWriter(_Ring):
         """
         if self._ended():
             raise RingClosed(f"ring {self.name} is closed")
-        views = [f if isinstance(f, memoryview) and f.format == "B" and f.ndim == 1
-                 else memoryview(f).cast("B") for f in frames]
-        lens = [v.nbytes for v in views]
+        views = [tuple(map(_byte_view, f)) if type(f) is tuple else _byte_view(f) for f in frames]
+        lens = [sum(p.nbytes for p in v) if type(v) is tuple else v.nbytes for v in views]
         offsets, total = _layout(lens)
         if self._pending is None and total <= self.chunk_bytes and (
                 self._seq - self._min_read < self.n_chunks or self._has_space()):
@@ -287,12 +287,11 @@ class RingWriter(_Ring):
         header = struct.pack(f"<{len(views) + 2}Q", total, len(views), *lens)
         pieces: list[memoryview] = []
         at = 0
-        for view, off in zip([memoryview(header), *views], [0, *offsets]):
+        for view, off, n in zip([memoryview(header), *views], [0, *offsets], [len(header), *lens]):
             if off > at:
                 pieces.append(memoryview(_PAD)[:off - at])
-            if view.nbytes:
-                pieces.append(view)
-            at = off + view.nbytes
+            pieces.extend(p for p in (view if type(view) is tuple else (view,)) if p.nbytes)
+            at = off + n
         pieces.reverse()  # popped from the end
         self._pending = (pieces, total)
         try:
@@ -305,7 +304,7 @@ class RingWriter(_Ring):
                 raise SendTimeout(str(e), queued=True) from None
             raise
 
-    def _send_small(self, views: list[memoryview], lens: list[int], offsets: list[int], total: int) -> None:
+    def _send_small(self, views: list, lens: list[int], offsets: list[int], total: int) -> None:
         """Write a message that fits one free chunk: header, frames and the padding
         between them, straight into the chunk."""
         buf, pos = self._buf, self._chunk(self._seq)
@@ -314,7 +313,13 @@ class RingWriter(_Ring):
         for view, off, n in zip(views, offsets, lens):
             if off > at:
                 buf[pos + at:pos + off] = _PAD[:off - at]
-            buf[pos + off:pos + off + n] = view
+            if type(view) is tuple:  # a frame given in parts, written back to back
+                start = pos + off
+                for part in view:
+                    buf[start:start + part.nbytes] = part
+                    start += part.nbytes
+            else:
+                buf[pos + off:pos + off + n] = view
             at = off + n
         self._publish()
 
@@ -464,6 +469,10 @@ class RingReader(_Ring):
         shm.fence()
         self._writer_bell.ring()
         self._close_mapping()
+
+
+def _byte_view(f: Buffer) -> memoryview:
+    return f if isinstance(f, memoryview) and f.format == "B" and f.ndim == 1 else memoryview(f).cast("B")
 
 
 _ALIGN = 64  # frames start 64-byte aligned in the message: tensors decode in place
