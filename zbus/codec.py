@@ -1,8 +1,9 @@
 """The wire codec: msgpack with a few extension types, never pickle.
 
 ``encode(obj)`` returns frames ``[header, buf0, buf1, ...]``: the msgpack header
-and the raw data of large buffers (tensors, arrays, big bytes) as separate
-zero-copy views, so a transport can send them without concatenating.
+and the raw data of large buffers (arrays; tensors and bytes of ``OOB_THRESHOLD``
+or more) as separate zero-copy views, so a transport can send them without
+concatenating; smaller tensors and bytes are copied into the header.
 ``decode(frames)`` turns them back into plain data. Decoding never imports a
 module or runs code the sender names: extension types map to a fixed table, dtypes
 to a whitelist, and dataclasses to the ones registered with :func:`register`.
@@ -179,22 +180,28 @@ class _Encoder:
         return msgpack.ExtType(_BYTES, self.pack([kind, view.tobytes()]))
 
     def _tensor(self, t: Any, torch: Any) -> list:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise CodecError(f"cannot send a tensor on {t.device}: move it to the CPU first")
-        if t.layout != torch.strided or t.is_quantized:
+        if t.layout is not torch.strided:  # (quantized dtypes are not in the table)
             raise CodecError(f"cannot send a {t.layout} tensor: only dense strided tensors")
-        t = t.detach().resolve_conj().resolve_neg()
-        dtype = str(t.dtype).removeprefix("torch.")
-        if _torch_dtypes(torch).get(dtype) is not t.dtype:
-            raise CodecError(f"cannot send a tensor of dtype {dtype}: not one of zbus.codec.TENSOR_DTYPES")
-        if t.numel() == 0:
+        dtype = _dtype_names(torch).get(t.dtype)
+        if dtype is None:
+            raise CodecError(f"cannot send a tensor of dtype {str(t.dtype).removeprefix('torch.')}: "
+                             "not one of zbus.codec.TENSOR_DTYPES")
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        nbytes = t.nbytes  # numel x item size, whatever the layout
+        if nbytes == 0:
             return [dtype, list(t.shape), None, None]
         strides = list(t.stride())
         if not t.is_contiguous() and not _dense(t.shape, strides):
-            t = t.contiguous()  # overlapping or gapped layout: send a compact copy
+            t = t.detach().contiguous()  # overlapping or gapped layout: send a compact copy
             strides = list(t.stride())
-        # The elements tile one block (size-1 dims may have any stride): send it as is.
-        return [dtype, list(t.shape), strides, self.oob(_tensor_bytes(t))]
+        # The elements tile one block (size-1 dims may have any stride): send it as is,
+        # inline when small (a frame of its own costs more than copying the bytes).
+        if nbytes < OOB_THRESHOLD:
+            return [dtype, list(t.shape), strides, ctypes.string_at(t.data_ptr(), nbytes)]
+        return [dtype, list(t.shape), strides, self.oob(_tensor_bytes(t.detach()))]
 
     def _ndarray(self, a: Any, np: Any) -> list:
         if a.dtype.kind not in _NP_KINDS or a.dtype.fields is not None:
@@ -340,27 +347,33 @@ class _Decoder:
     def _tensor(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 4 and type(body[0]) is str and _ints(body[1])):
             raise CodecError("malformed tensor extension")
-        import torch  # lazily: only a peer that sends tensors makes us load torch
-
+        torch = sys.modules.get("torch")
+        if torch is None:
+            import torch  # lazily: only a peer that sends tensors makes us load torch
         dtype = _torch_dtypes(torch).get(body[0])
         if dtype is None:
             raise CodecError(f"unknown tensor dtype {body[0]!r}")
-        shape, strides, index = body[1], body[2], body[3]
-        if index is None:
+        shape, strides, data = body[1], body[2], body[3]
+        if data is None:
             if _numel(shape) != 0:
                 raise CodecError("tensor without data")
             return torch.empty(shape, dtype=dtype)
         if not _ints(strides) or len(strides) != len(shape):
             raise CodecError("malformed tensor strides")
-        data = self.private(self.frame(index))
-        itemsize = dtype.itemsize
+        inline = type(data) is bytes  # a small tensor's bytes, in the header
+        if not inline:
+            data = self.private(self.frame(data))
         numel = _numel(shape)
-        if len(data) != numel * itemsize or not _dense(shape, strides):
+        if len(data) != numel * dtype.itemsize or not numel or (
+                strides != [1] and not _dense(shape, strides)):
             raise CodecError("tensor data does not match its shape and dtype")
-        flat = torch.frombuffer(data, dtype=torch.uint8)
-        if dtype is torch.bool and numel and int(flat.max()) > 1:
+        if dtype is torch.bool and (data.translate(None, b"\x00\x01") if inline else
+                                    int(torch.frombuffer(data, dtype=torch.uint8).max()) > 1):
             raise CodecError("bool tensor data other than 0 and 1")
-        return flat.view(dtype).as_strided(shape, strides)
+        if inline:  # a private copy: the tensor never holds the header's memory
+            data = self.copy(data)
+        t = torch.frombuffer(data, dtype=dtype)  # 1-d, contiguous: as it came for most tensors
+        return t if strides == [1] else t.as_strided(shape, strides)
 
     def _ndarray(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 3 and type(body[0]) is str and _ints(body[1])):
@@ -543,9 +556,17 @@ TENSOR_DTYPES = ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16",
                  "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
                  "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _dtype_cache: dict[str, Any] = {}
+_name_cache: dict[Any, str] = {}
 
 
 def _torch_dtypes(torch: Any) -> dict[str, Any]:
     if not _dtype_cache:  # the names this torch has
         _dtype_cache.update((n, getattr(torch, n)) for n in TENSOR_DTYPES if hasattr(torch, n))
     return _dtype_cache
+
+
+def _dtype_names(torch: Any) -> dict[Any, str]:
+    """The wire name of each dtype in ``TENSOR_DTYPES`` (one lookup: no ``str(dtype)``)."""
+    if not _name_cache:
+        _name_cache.update((d, n) for n, d in _torch_dtypes(torch).items())
+    return _name_cache
