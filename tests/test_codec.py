@@ -309,50 +309,23 @@ def test_bool_tensor_bytes_must_be_0_or_1():
             decode([header(ext(TENSOR, ["bool", [3], [1], 0])), bytearray(bad)])
 
 
-def test_bool_tensor_bytes_must_be_0_or_1_inline():
-    """The same check for a small tensor's bytes carried in the header."""
-    ok = decode([header(ext(TENSOR, ["bool", [3], [1], b"\x00\x01\x01"]))])
-    assert ok.tolist() == [False, True, True]
-    for bad in (b"\x00\x02\x01", b"\xff\x00\x00"):
-        with pytest.raises(zbus.CodecError, match="bool"):
-            decode([header(ext(TENSOR, ["bool", [3], [1], bad]))])
-
-
-@pytest.mark.parametrize("nbytes", [1, 1024, codec.OOB_THRESHOLD - 1, codec.OOB_THRESHOLD])
-def test_small_tensors_travel_inline_and_decode_into_memory_of_their_own(nbytes):
-    """A tensor under OOB_THRESHOLD bytes travels in the header (one frame, no
-    buffer); it decodes exact (dtype, shape, dense strides, bits) into memory of its
-    own: neither the sender's tensor, nor the header's bytes, nor another decode's.
-    Fails if small tensors get a frame again or a decoded one aliases the header."""
-    t = random_tensor(torch.uint8, (nbytes,), seed=nbytes)
-    frames = encode(t)
-    assert len(frames) == (1 if nbytes < codec.OOB_THRESHOLD else 2)
-    for layout in (t, t.view(torch.int16) if nbytes % 2 == 0 else t, t.reshape(1, -1).t()):
-        wire = [bytearray(f) for f in encode(layout)]  # writable, as the ring hands them over
-        out = decode(wire)
-        assert_same_tensor(out, layout)
-        assert out.stride() == layout.stride()
-        if nbytes < codec.OOB_THRESHOLD:  # (a buffer frame that is writable is used in place)
-            start = torch.frombuffer(wire[0], dtype=torch.uint8).data_ptr()
-            assert not start <= out.data_ptr() < start + len(wire[0]), "aliases the header"
-            out.view(torch.uint8).reshape(-1)[0] += 1
-            assert_same_tensor(decode(wire), layout)  # the header and the sender are untouched
-    assert torch.equal(t, random_tensor(torch.uint8, (nbytes,), seed=nbytes))
-
-
 def test_small_tensor_arguments_keep_every_dtype_and_0_d():
-    """Every wire dtype, 0-d included, as a call's arguments carry them (a tuple)."""
+    """Every wire dtype, 0-d, 1-d and 2-d (as is and transposed), as a call's
+    arguments carry them: exact, strides kept, one frame each, sharing no memory
+    (1-d contiguous tensors decode with one torch call, the others with two)."""
     for dtype in ALL_DTYPES:
         for shape in ((), (5,), (2, 3)):
             t = random_tensor(dtype, shape, seed=7)
             frames = encode(((t, t.mT if t.dim() == 2 else t), {"k": t}))
-            assert len(frames) == 1
-            (a, b), kw = decode(as_wire(frames))
-            for out, ref in ((a, t), (b, t.mT if t.dim() == 2 else t), (kw["k"], t)):
-                assert_same_tensor(out, ref)
-                assert out.stride() == ref.stride()
-            bits(a).bitwise_not_()  # the tensors decoded from one message share no memory
-            assert_same_tensor(kw["k"], t)
+            assert len(frames) == 4
+            for wire in (as_wire(frames), [bytearray(f) for f in frames]):  # read-only, writable
+                (a, b), kw = decode(wire)
+                for out, ref in ((a, t), (b, t.mT if t.dim() == 2 else t), (kw["k"], t)):
+                    assert_same_tensor(out, ref)
+                    assert out.stride() == ref.stride()
+                bits(a).bitwise_not_()  # the tensors decoded from one message share no memory
+                assert_same_tensor(kw["k"], t)
+            assert_same_tensor(decode(as_wire(frames))[0][0], t), "wrote into the sender's tensor"
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.float32])
@@ -657,12 +630,9 @@ MALFORMED = {
     "tensor strides missing": [header(ext(TENSOR, ["float32", [2], None, 0])), bytes(8)],
     "tensor strides huge": [header(ext(TENSOR, ["uint8", [2], [2**64 - 1], 0])), bytes(2)],
     "tensor empty huge dims": [header(ext(TENSOR, ["float32", [0, 2**64 - 1], None, None]))],
-    "tensor inline data too short": [header(ext(TENSOR, ["float32", [3], [1], bytes(8)]))],
-    "tensor inline data too long": [header(ext(TENSOR, ["float32", [1], [1], bytes(8)]))],
-    "tensor inline data for no elements": [header(ext(TENSOR, ["float32", [0, 2**64 - 1], [1, 1], b""]))],
-    "tensor inline strides gapped": [header(ext(TENSOR, ["float32", [2, 2], [4, 1], bytes(16)]))],
-    "tensor inline strides missing": [header(ext(TENSOR, ["float32", [2], None, bytes(8)]))],
-    "tensor inline data a str": [header(ext(TENSOR, ["uint8", [2], [1], "ab"]))],
+    "tensor data for no elements": [header(ext(TENSOR, ["float32", [0, 2**64 - 1], [1, 1], 0])), b""],
+    "tensor index bytes": [header(ext(TENSOR, ["float32", [2], [1], bytes(8)]))],
+    "tensor index a str": [header(ext(TENSOR, ["uint8", [2], [1], "ab"]))],
     "ndarray body short": [header(ext(NDARRAY, ["<f4", [2]])), bytes(8)],
     "ndarray data mismatch": [header(ext(NDARRAY, ["<f4", [3], 0])), bytes(8)],
     "ndarray index out of range": [header(ext(NDARRAY, ["<f4", [2], 5])), bytes(8)],
@@ -918,20 +888,15 @@ def test_fuzz_nearly_valid_tensor_and_array_messages(name, shape, data):
     if shape and data.draw(st.booleans()):  # permute the layout, or break it
         strides[data.draw(st.integers(0, len(shape) - 1))] = data.draw(st.integers(0, 40))
     length = max(0, math.prod(shape) * itemsize + data.draw(st.sampled_from([0, 0, 0, -1, 1, 8])))
-    index = data.draw(st.sampled_from([0, 0, 0, 1, -1, None, "inline", "inline"]))
+    index = data.draw(st.sampled_from([0, 0, 0, 1, -1, None]))
     buf = data.draw(st.binary(min_size=length, max_size=length))
     extra = [b"x"] if data.draw(st.booleans()) else []
-    if index == "inline":  # a small tensor's bytes in the header
-        frames = [header(ext(TENSOR, [name, shape, strides, buf])), *extra]
-    else:
-        frames = [header(ext(TENSOR, [name, shape, strides, index])), buf, *extra]
-    out = decode_or_codec_error(frames)
+    out = decode_or_codec_error([header(ext(TENSOR, [name, shape, strides, index])), buf, *extra])
     if out is not None:
         assert out.dtype == dtype and list(out.shape) == shape
         if out.numel():
             flat = bits(out.as_strided((out.numel(),), (1,))).view(torch.uint8)
-            assert flat.numpy().tobytes() == (buf if index == "inline" else [buf, *extra][index])
-    index = data.draw(st.sampled_from([0, 0, 0, 1, -1, None]))
+            assert flat.numpy().tobytes() == [buf, *extra][index]
     np_dtype = np.dtype(data.draw(st.sampled_from(["<f4", "|b1", ">i2", "<c16", "u1"])))
     length = max(0, math.prod(shape) * np_dtype.itemsize + data.draw(st.sampled_from([0, 0, -1, 1])))
     buf = data.draw(st.binary(min_size=length, max_size=length))

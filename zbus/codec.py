@@ -1,9 +1,8 @@
 """The wire codec: msgpack with a few extension types, never pickle.
 
 ``encode(obj)`` returns frames ``[header, buf0, buf1, ...]``: the msgpack header
-and the raw data of large buffers (arrays; tensors and bytes of ``OOB_THRESHOLD``
-or more) as separate zero-copy views, so a transport can send them without
-concatenating; smaller tensors and bytes are copied into the header.
+and the raw data of large buffers (tensors, arrays, big bytes) as separate
+zero-copy views, so a transport can send them without concatenating.
 ``decode(frames)`` turns them back into plain data. Decoding never imports a
 module or runs code the sender names: extension types map to a fixed table, dtypes
 to a whitelist, and dataclasses to the ones registered with :func:`register`.
@@ -197,11 +196,8 @@ class _Encoder:
         if not t.is_contiguous() and not _dense(t.shape, strides):
             t = t.detach().contiguous()  # overlapping or gapped layout: send a compact copy
             strides = list(t.stride())
-        # The elements tile one block (size-1 dims may have any stride): send it as is,
-        # inline when small (a frame of its own costs more than copying the bytes).
-        if nbytes < OOB_THRESHOLD:
-            return [dtype, list(t.shape), strides, ctypes.string_at(t.data_ptr(), nbytes)]
-        return [dtype, list(t.shape), strides, self.oob(_tensor_bytes(t.detach()))]
+        # The elements tile one block (size-1 dims may have any stride): send it as is.
+        return [dtype, list(t.shape), strides, self.oob(_tensor_bytes(t))]
 
     def _ndarray(self, a: Any, np: Any) -> list:
         if a.dtype.kind not in _NP_KINDS or a.dtype.fields is not None:
@@ -353,26 +349,23 @@ class _Decoder:
         dtype = _torch_dtypes(torch).get(body[0])
         if dtype is None:
             raise CodecError(f"unknown tensor dtype {body[0]!r}")
-        shape, strides, data = body[1], body[2], body[3]
-        if data is None:
+        shape, strides, index = body[1], body[2], body[3]
+        if index is None:
             if _numel(shape) != 0:
                 raise CodecError("tensor without data")
             return torch.empty(shape, dtype=dtype)
         if not _ints(strides) or len(strides) != len(shape):
             raise CodecError("malformed tensor strides")
-        inline = type(data) is bytes  # a small tensor's bytes, in the header
-        if not inline:
-            data = self.private(self.frame(data))
+        data = self.private(self.frame(index))
         numel = _numel(shape)
         if len(data) != numel * dtype.itemsize or not numel or (
                 strides != [1] and not _dense(shape, strides)):
             raise CodecError("tensor data does not match its shape and dtype")
-        if dtype is torch.bool and (data.translate(None, b"\x00\x01") if inline else
-                                    int(torch.frombuffer(data, dtype=torch.uint8).max()) > 1):
+        if dtype is torch.bool and int(torch.frombuffer(data, dtype=torch.uint8).max()) > 1:
             raise CodecError("bool tensor data other than 0 and 1")
-        if inline:  # a private copy: the tensor never holds the header's memory
-            data = self.copy(data)
-        t = torch.frombuffer(data, dtype=dtype)  # 1-d, contiguous: as it came for most tensors
+        # One torch call for most tensors (1-d, contiguous), two for the others: each
+        # costs microseconds on a worker woken for the call, where caches are cold.
+        t = torch.frombuffer(data, dtype=dtype)
         return t if strides == [1] else t.as_strided(shape, strides)
 
     def _ndarray(self, body: Any) -> Any:
