@@ -309,6 +309,25 @@ def test_bool_tensor_bytes_must_be_0_or_1():
             decode([header(ext(TENSOR, ["bool", [3], [1], 0])), bytearray(bad)])
 
 
+def test_small_tensor_arguments_keep_every_dtype_and_0_d():
+    """Every wire dtype, 0-d, 1-d and 2-d (as is and transposed), as a call's
+    arguments carry them: exact, strides kept, one frame each, sharing no memory
+    (1-d contiguous tensors decode with one torch call, the others with two)."""
+    for dtype in ALL_DTYPES:
+        for shape in ((), (5,), (2, 3)):
+            t = random_tensor(dtype, shape, seed=7)
+            frames = encode(((t, t.mT if t.dim() == 2 else t), {"k": t}))
+            assert len(frames) == 4
+            for wire in (as_wire(frames), [bytearray(f) for f in frames]):  # read-only, writable
+                (a, b), kw = decode(wire)
+                for out, ref in ((a, t), (b, t.mT if t.dim() == 2 else t), (kw["k"], t)):
+                    assert_same_tensor(out, ref)
+                    assert out.stride() == ref.stride()
+                bits(a).bitwise_not_()  # the tensors decoded from one message share no memory
+                assert_same_tensor(kw["k"], t)
+            assert_same_tensor(decode(as_wire(frames))[0][0], t), "wrote into the sender's tensor"
+
+
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.float32])
 def test_conj_neg_and_grad_views(dtype):
     x = torch.randn(4, 3, dtype=dtype)
@@ -611,6 +630,9 @@ MALFORMED = {
     "tensor strides missing": [header(ext(TENSOR, ["float32", [2], None, 0])), bytes(8)],
     "tensor strides huge": [header(ext(TENSOR, ["uint8", [2], [2**64 - 1], 0])), bytes(2)],
     "tensor empty huge dims": [header(ext(TENSOR, ["float32", [0, 2**64 - 1], None, None]))],
+    "tensor data for no elements": [header(ext(TENSOR, ["float32", [0, 2**64 - 1], [1, 1], 0])), b""],
+    "tensor index bytes": [header(ext(TENSOR, ["float32", [2], [1], bytes(8)]))],
+    "tensor index a str": [header(ext(TENSOR, ["uint8", [2], [1], "ab"]))],
     "ndarray body short": [header(ext(NDARRAY, ["<f4", [2]])), bytes(8)],
     "ndarray data mismatch": [header(ext(NDARRAY, ["<f4", [3], 0])), bytes(8)],
     "ndarray index out of range": [header(ext(NDARRAY, ["<f4", [2], 5])), bytes(8)],

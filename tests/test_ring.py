@@ -503,3 +503,43 @@ def test_received_buffers_are_reused_only_when_nothing_refers_to_them():
     finally:
         reader.close()
         writer.close()
+
+
+def test_receive_buffers_of_pool_misses_hold_exactly_each_message():
+    """A pool miss takes its buffer from malloc without zero-filling it: whatever
+    the memory held before must never show through. Every message, of sizes that
+    miss (all buffers still in use), reuse a larger buffer or start a new one, is
+    received exactly, frame lengths and padding included. Fails if the copy out of
+    the ring skips any byte of the buffer it hands over."""
+    from zbus.ring import BufferPool, _exported, _uninitialized
+
+    b = _uninitialized(BufferPool.MIN_BYTES)
+    assert type(b) is bytearray and len(b) == BufferPool.MIN_BYTES
+    view = memoryview(b)
+    assert _exported(b)  # the reuse check works on it as on any bytearray
+    view.release()
+    assert not _exported(b)
+
+    writer = RingWriter.create(1, RingGeometry(64 * 1024, 8))
+    reader = RingReader.attach(writer.handle, 0)
+    rng = random.Random(11)
+    try:
+        def roundtrip(frames: list[bytes]) -> list[memoryview]:
+            t = threading.Thread(target=writer.send, args=(frames,), kwargs={"timeout": 10})
+            t.start()
+            got = reader.recv(timeout=10)
+            t.join(10)
+            return got
+
+        kept = []
+        for size in [300_000, 1_000_000, 2_500_000, 700_000, 1_000_000, 300_000, 2_000_000]:
+            sent = [rng.randbytes(size), rng.randbytes(rng.randint(0, 100)), b"", rng.randbytes(size // 3)]
+            got = roundtrip(sent)
+            assert [bytes(f) for f in got] == sent
+            if size != 700_000:
+                kept.append(got)  # holds its buffer: the next message misses
+            else:
+                kept.clear()  # all free: the next ones reuse warm buffers
+    finally:
+        reader.close()
+        writer.close()

@@ -193,19 +193,22 @@ class _Encoder:
         return msgpack.ExtType(_BYTES, self.pack([kind, view.tobytes()]))
 
     def _tensor(self, t: Any, torch: Any) -> list:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise CodecError(f"cannot send a tensor on {t.device}: move it to the CPU first")
-        if t.layout != torch.strided or t.is_quantized:
+        if t.layout is not torch.strided:  # (quantized dtypes are not in the table)
             raise CodecError(f"cannot send a {t.layout} tensor: only dense strided tensors")
-        t = t.detach().resolve_conj().resolve_neg()
-        dtype = str(t.dtype).removeprefix("torch.")
-        if _torch_dtypes(torch).get(dtype) is not t.dtype:
-            raise CodecError(f"cannot send a tensor of dtype {dtype}: not one of zbus.codec.TENSOR_DTYPES")
-        if t.numel() == 0:
+        dtype = _dtype_names(torch).get(t.dtype)
+        if dtype is None:
+            raise CodecError(f"cannot send a tensor of dtype {str(t.dtype).removeprefix('torch.')}: "
+                             "not one of zbus.codec.TENSOR_DTYPES")
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        nbytes = t.nbytes  # numel x item size, whatever the layout
+        if nbytes == 0:
             return [dtype, list(t.shape), None, None]
         strides = list(t.stride())
         if not t.is_contiguous() and not _dense(t.shape, strides):
-            t = t.contiguous()  # overlapping or gapped layout: send a compact copy
+            t = t.detach().contiguous()  # overlapping or gapped layout: send a compact copy
             strides = list(t.stride())
         # The elements tile one block (size-1 dims may have any stride): send it as is.
         return [dtype, list(t.shape), strides, self.oob(_tensor_bytes(t))]
@@ -354,8 +357,9 @@ class _Decoder:
     def _tensor(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 4 and type(body[0]) is str and _ints(body[1])):
             raise CodecError("malformed tensor extension")
-        import torch  # lazily: only a peer that sends tensors makes us load torch
-
+        torch = sys.modules.get("torch")
+        if torch is None:
+            import torch  # lazily: only a peer that sends tensors makes us load torch
         dtype = _torch_dtypes(torch).get(body[0])
         if dtype is None:
             raise CodecError(f"unknown tensor dtype {body[0]!r}")
@@ -367,14 +371,16 @@ class _Decoder:
         if not _ints(strides) or len(strides) != len(shape):
             raise CodecError("malformed tensor strides")
         data = self.private(self.frame(index))
-        itemsize = dtype.itemsize
         numel = _numel(shape)
-        if len(data) != numel * itemsize or not _dense(shape, strides):
+        if len(data) != numel * dtype.itemsize or not numel or (
+                strides != [1] and not _dense(shape, strides)):
             raise CodecError("tensor data does not match its shape and dtype")
-        flat = torch.frombuffer(data, dtype=torch.uint8)
-        if dtype is torch.bool and numel and int(flat.max()) > 1:
+        if dtype is torch.bool and int(torch.frombuffer(data, dtype=torch.uint8).max()) > 1:
             raise CodecError("bool tensor data other than 0 and 1")
-        return flat.view(dtype).as_strided(shape, strides)
+        # One torch call for most tensors (1-d, contiguous), two for the others: each
+        # costs microseconds on a worker woken for the call, where caches are cold.
+        t = torch.frombuffer(data, dtype=dtype)
+        return t if strides == [1] else t.as_strided(shape, strides)
 
     def _ndarray(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 3 and type(body[0]) is str and _ints(body[1])):
@@ -557,9 +563,17 @@ TENSOR_DTYPES = ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16",
                  "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
                  "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _dtype_cache: dict[str, Any] = {}
+_name_cache: dict[Any, str] = {}
 
 
 def _torch_dtypes(torch: Any) -> dict[str, Any]:
     if not _dtype_cache:  # the names this torch has
         _dtype_cache.update((n, getattr(torch, n)) for n in TENSOR_DTYPES if hasattr(torch, n))
     return _dtype_cache
+
+
+def _dtype_names(torch: Any) -> dict[Any, str]:
+    """The wire name of each dtype in ``TENSOR_DTYPES`` (one lookup: no ``str(dtype)``)."""
+    if not _name_cache:
+        _name_cache.update((d, n) for n, d in _torch_dtypes(torch).items())
+    return _name_cache
