@@ -5,8 +5,12 @@ Every blocking call has a timeout and every socket is closed by the test.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import socket
+import subprocess
+import threading
 import time
 
 import numpy as np
@@ -14,15 +18,20 @@ import psutil
 import pytest
 import torch
 import zmq
-from conftest import zbus_segments
+from conftest import spawn_python, zbus_segments
+from peer_procs import digest
 
-from zbus import ZbusError, codec, queues
+from zbus import ZbusError, codec
 from zbus.errors import SendTimeout
-from zbus.queues import ZERO_COPY_MIN, Broadcaster, ZmqReceiver, ZmqSender, bind
+from zbus.queues import Broadcaster, ZmqReceiver, ZmqSender, bind, deadline_of, send_frames
 from zbus.ring import RingReader
 
 pytestmark = pytest.mark.timeout(60)
 HOST = "127.0.0.1"
+BIG = 256 * 1024  # a frame of its own (codec.OOB_THRESHOLD is 16 KiB)
+SMALL_BUF = 16384  # SO_SNDBUF / SO_RCVBUF: a stalled peer's kernel buffers hold little
+T = 0.3  # the timeout of the calls that must keep it
+SLACK = 0.1  # how late past its timeout a call may return
 
 
 @pytest.fixture
@@ -51,6 +60,52 @@ def sub_socket(ctx: zmq.Context, port: int, topic: bytes = b"", rcvhwm: int | No
     return s
 
 
+@pytest.fixture
+def peer():
+    """Start ZeroMQ readers in processes of their own (tests/peer_procs.py), each
+    printing the digest of every message it receives; stall one with
+    ``suspend()`` (SIGSTOP). All are killed at the end."""
+    procs = []
+
+    def start(kind: str, address: str) -> psutil.Popen:
+        p = spawn_python("import peer_procs; peer_procs.main()", kind, address, str(SMALL_BUF),
+                         stdout=subprocess.PIPE, bufsize=0)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()  # a stopped process too
+        p.wait(10)
+        p.stdout.close()
+
+
+def read_line(proc: psutil.Popen, timeout: float = 10.0) -> str:
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        raise TimeoutError(f"nothing from the reader in {timeout} s")
+    return proc.stdout.readline().decode().strip()
+
+
+def stalled_broadcaster(ctx: zmq.Context, peer, n_local: int = 0) -> tuple[Broadcaster, psutil.Popen]:
+    """A broadcaster whose one remote subscriber, a process of its own, has
+    subscribed and is then stopped (SIGSTOP): a follower that stopped reading.
+    High-water mark 4 and small kernel buffers, so a few messages fill them."""
+    def small(sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.SNDBUF, SMALL_BUF)
+
+    bc = Broadcaster(n_local, host=HOST, ctx=ctx, configure=small)
+    try:
+        p = peer("sub", f"tcp://{HOST}:{bc.port}")
+        bc.wait_until_ready(1, timeout=10)
+        p.suspend()
+    except BaseException:
+        bc.close()
+        raise
+    return bc, p
+
+
 def listening_addresses(port: int) -> set[str]:
     return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
@@ -64,7 +119,7 @@ def test_push_pull_round_trip(ctx):
     tx = ZmqSender(f"tcp://{HOST}:{rx.port}", ctx=ctx)
     try:
         t = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
-        big = os.urandom(3 * ZERO_COPY_MIN)
+        big = os.urandom(BIG)
         msgs = [
             (7, t, big),
             {"arr": np.arange(10, dtype=">i4"), "bf": torch.ones(3, dtype=torch.bfloat16)},
@@ -91,24 +146,28 @@ def test_push_pull_round_trip(ctx):
 
 def test_put_times_out_without_a_reader(ctx):
     """PUSH queues up to its high-water mark for a peer that is not there; then put
-    raises TimeoutError, it does not drop."""
-    probe = ctx.socket(zmq.PULL)
-    port = bind(probe, HOST)
-    probe.close(linger=0)  # nobody listens there any more
-    tx = ZmqSender(f"tcp://{HOST}:{port}", ctx=ctx, hwm=2)
-    try:
-        for i in range(50):
-            start = time.monotonic()
-            try:
-                tx.put((i, b"x"), timeout=0.2)
-            except TimeoutError:
-                assert time.monotonic() - start < 1.5
-                break
-        else:
-            pytest.fail("50 puts to nobody with a high-water mark of 2 all succeeded")
-        assert i >= 1, "not even one message was queued"
-    finally:
-        tx.close(linger_s=0)
+    raises TimeoutError within its 0.2 s timeout + SLACK, it does not drop.
+
+    The port stays bound (not listening) by a plain socket: a freed port of the
+    ephemeral range can be chosen as the source port of ZeroMQ's own reconnect,
+    which then connects to itself and swallows the messages."""
+    with socket.socket() as nobody:
+        nobody.bind((HOST, 0))  # connections are refused, and the port is not free
+        tx = ZmqSender(f"tcp://{HOST}:{nobody.getsockname()[1]}", ctx=ctx, hwm=2)
+        try:
+            for i in range(50):
+                start = time.monotonic()
+                try:
+                    tx.put((i, b"x"), timeout=0.2)
+                except TimeoutError:
+                    took = time.monotonic() - start
+                    assert took <= 0.2 + SLACK, f"put overran its 0.2 s timeout: {took:.3f} s"
+                    break
+            else:
+                pytest.fail("50 puts to nobody with a high-water mark of 2 all succeeded")
+            assert i >= 1, "not even one message was queued"
+        finally:
+            tx.close(linger_s=0)
 
 
 def test_receiver_max_bytes_refuses_oversize(ctx):
@@ -125,36 +184,45 @@ def test_receiver_max_bytes_refuses_oversize(ctx):
         rx.close()
 
 
-def test_put_never_aliases_caller_memory(ctx):
-    """Zero-copy sends wait until ZeroMQ has released the caller's buffers: changing
-    them right after put returns must not change what the reader gets."""
-    rx = ZmqReceiver(HOST, ctx=ctx)
-    tx = ZmqSender(f"tcp://{HOST}:{rx.port}", ctx=ctx)
+@pytest.mark.timeout(30)
+def test_put_returns_with_the_callers_buffers_free(ctx, peer):
+    """``put`` to a reader that stopped reading returns at once, and the caller may
+    change its buffers (bytearray, tensor, array; 4 MiB each) right away: the
+    reader, once it goes on, gets what they held at the call. The kernel buffers
+    hold 64 KiB at most, so nearly all of each message is still with ZeroMQ when
+    the buffer changes.
+
+    Sabotage: in ``queues.send_frames`` send frames of 64 KiB or more with
+    ``copy=False`` (ZeroMQ reads the caller's memory later): the digests differ.
+    With the zero-copy send that waited for ZeroMQ to let go (before this test),
+    the first 4 MiB put does not return until the reader goes on, so the test
+    times out."""
+    p = peer("pull", HOST)
+    port = int(read_line(p).split()[1])
+    tx = ZmqSender(f"tcp://{HOST}:{port}", ctx=ctx, configure=lambda s: s.setsockopt(zmq.SNDBUF, SMALL_BUF))
     try:
+        tx.put("hello", timeout=5)
+        assert read_line(p) == digest(codec.encode("hello")), "the reader is not connected"
+        p.suspend()
         size = 4 * 2**20
-        pattern = os.urandom(size)
-        buf = bytearray(pattern)
-        frames = codec.encode((buf,))
-        assert len(frames) > 1, "a 4 MiB bytearray should travel zero-copy in its own frame"
+        buf = bytearray(os.urandom(size))
         tensor = torch.arange(size // 4, dtype=torch.int32)
         array = np.arange(size // 8, dtype=np.float64)
-        for _ in range(3):
-            tx.put((buf,), timeout=10)
-            buf[:] = bytes(size)  # in place: same buffer, new contents
-            tx.put({"t": tensor, "a": array}, timeout=10)
-            tensor.fill_(-1)
-            array[:] = -1
-            got = rx.get(timeout=10)
-            assert type(got[0]) is bytearray and bytes(got[0]) == pattern
-            got = rx.get(timeout=10)
-            assert torch.equal(got["t"], torch.arange(size // 4, dtype=torch.int32))
-            assert np.array_equal(got["a"], np.arange(size // 8, dtype=np.float64))
-            buf[:] = pattern
-            tensor.copy_(torch.arange(size // 4, dtype=torch.int32))
-            array[:] = np.arange(size // 8, dtype=np.float64)
+        want = []
+        for obj, change in [((buf,), lambda: buf.__setitem__(slice(None), bytes(size))),
+                            ({"t": tensor}, lambda: tensor.fill_(-1)),
+                            ((array,), lambda: array.fill(-1))]:
+            frames = codec.encode(obj)
+            assert len(frames) > 1, "4 MiB should travel as a frame of its own"
+            want.append(digest(frames))
+            start = time.monotonic()
+            tx.put(obj, timeout=5)
+            assert time.monotonic() - start < 1, "put waited for a reader that stopped reading"
+            change()  # in place: same memory, new contents
+        p.resume()
+        assert [read_line(p) for _ in want] == want, "the reader got what the buffers held after put"
     finally:
-        tx.close()
-        rx.close()
+        tx.close(linger_s=0)
 
 
 # --- broadcaster -----------------------------------------------------------------
@@ -198,25 +266,32 @@ def test_broadcaster_without_remote_side_cannot_wait_for_subscribers():
 def _payload(seq: int, big: bytes) -> tuple:
     kind = seq % 4
     if kind == 3:
-        return (seq, big)  # zero-copy: publish waits for ZeroMQ to release it
+        return (seq, big)  # 256 KiB, a frame of its own
     if kind == 1:
-        return (seq, bytes([seq % 251]) * (ZERO_COPY_MIN - 4096))  # large, but copied
-    return (seq, b"s" * (seq % 50))
+        return (seq, bytes([seq % 251]) * 60_000)  # a frame of its own too
+    return (seq, b"s" * (seq % 50))  # inline
 
 
-def test_slow_subscriber_makes_publish_time_out_and_nothing_is_dropped(ctx, monkeypatch):
+@pytest.mark.timeout(60)
+def test_slow_subscriber_makes_publish_time_out_and_nothing_is_dropped(ctx):
     """A subscriber that does not read fills the high-water marks and the TCP
-    buffers; publish then raises TimeoutError instead of dropping. After it drains,
-    it has every message publish reported as sent, and those whose SendTimeout says
-    ``queued``; in order; never one reported as not sent."""
-    monkeypatch.setattr(queues, "RELEASE_LIMIT_S", 0.2)  # zero-copy frames stuck in ZeroMQ
+    buffers; publish then raises TimeoutError instead of dropping, and every
+    publish, sent or timed out, returns within its 0.2 s timeout + SLACK. After
+    the subscriber drains, it has every message publish reported as sent, and
+    those whose SendTimeout says ``queued``; in order; never one reported as not
+    sent.
+
+    Sabotage: make ``queues.send_frames`` wait until ZeroMQ has released frames of
+    64 KiB or more (the zero-copy send before this test): the first publish of a
+    256 KiB frame after the buffers fill takes until the subscriber reads, so
+    "publish overran its timeout" (or the test times out)."""
     bc = Broadcaster(0, host=HOST, ctx=ctx)
     bc.xpub.setsockopt(zmq.SNDHWM, 4)  # applies to the pipe of the next connection
-    bc.xpub.setsockopt(zmq.SNDBUF, 16384)
-    sub = sub_socket(ctx, bc.port, rcvhwm=4, rcvbuf=16384)
+    bc.xpub.setsockopt(zmq.SNDBUF, SMALL_BUF)
+    sub = sub_socket(ctx, bc.port, rcvhwm=4, rcvbuf=SMALL_BUF)
     try:
         bc.wait_until_ready(1, timeout=5)
-        big = os.urandom(4 * ZERO_COPY_MIN)
+        big = os.urandom(BIG)
         sent, queued, not_sent = [], [], []
         streak = 0
         for seq in range(3000):
@@ -224,15 +299,16 @@ def test_slow_subscriber_makes_publish_time_out_and_nothing_is_dropped(ctx, monk
             try:
                 bc.publish(_payload(seq, big), timeout=0.2)
             except TimeoutError as e:
-                assert time.monotonic() - start < 2.5, "publish overran its timeout"
                 assert isinstance(e, SendTimeout)
                 (queued if e.queued else not_sent).append(seq)
                 streak = 0 if e.queued else streak + 1
-                if streak == 3:
-                    break
             else:
                 sent.append(seq)
                 streak = 0
+            took = time.monotonic() - start
+            assert took <= 0.2 + SLACK, f"publish {seq} overran its 0.2 s timeout: {took:.3f} s"
+            if streak == 3:
+                break
         assert not_sent, f"a subscriber that does not read never blocked publish ({len(sent)} sent)"
         assert len(sent) > 4, "the high-water marks and buffers held almost nothing"
 
@@ -254,6 +330,167 @@ def test_slow_subscriber_makes_publish_time_out_and_nothing_is_dropped(ctx, monk
         assert codec.decode(recv(sub)[1:]) == (-1, b"after")
     finally:
         sub.close()
+        bc.close()
+
+
+SIZES = [0, 1024, 64 * 1024, 2**20, 16 * 2**20]
+
+
+def _publish_until_full(bc: Broadcaster, size: int, lock=None) -> tuple[int, float]:
+    """Publish ``size``-byte payloads with timeout T until one is not taken
+    (``queued=False``); each call must end within T + SLACK. Returns how many
+    were taken and the longest call."""
+    frames = codec.encode((bytes(size),))
+    taken, slowest = 0, 0.0
+    for _ in range(100_000):
+        start = time.monotonic()
+        try:
+            bc.publish_frames(frames, timeout=T, lock=lock)
+        except SendTimeout as e:
+            assert not e.queued, "without a ring, a remote send that timed out sent nothing"
+            return taken, max(slowest, _within(start, size))
+        taken += 1
+        slowest = max(slowest, _within(start, size))
+    pytest.fail(f"100 000 publishes of {size} B to a stopped subscriber were all taken")
+
+
+def _within(start: float, size: int) -> float:
+    took = time.monotonic() - start
+    assert took <= T + SLACK, f"a publish of {size} B with timeout {T} s took {took:.3f} s"
+    return took
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"{n}B")
+def test_publish_keeps_its_deadline_when_a_subscriber_stops_reading(ctx, peer, size):
+    """A remote subscriber that stopped reading (its process SIGSTOPped): every
+    ``publish_frames(timeout=T)`` returns within T + SLACK, those ZeroMQ takes
+    while nobody reads them included, until the high-water mark makes one time
+    out; and so do the next ones.
+
+    Sabotage: make ``queues.send_frames`` send frames of 64 KiB or more zero-copy
+    and wait until ZeroMQ releases them (the send before this test): the 64 KiB,
+    1 MiB and 16 MiB cases wait on the first message ZeroMQ takes ("a publish ...
+    took"), or the test times out."""
+    bc, _ = stalled_broadcaster(ctx, peer)
+    try:
+        taken, slowest = _publish_until_full(bc, size)
+        assert taken >= 1, "not even one message was taken before the subscriber's buffers"
+        for _ in range(3):
+            start = time.monotonic()
+            with pytest.raises(SendTimeout):
+                bc.publish_frames(codec.encode((bytes(size),)), timeout=T)
+            slowest = max(slowest, _within(start, size))
+        print(f"{size} B: {taken} taken, slowest call {slowest:.3f} s (timeout {T} s)")
+    finally:
+        bc.close()
+
+
+@pytest.mark.timeout(30)
+def test_publish_keeps_its_deadline_while_a_control_send_holds_the_socket(ctx, peer):
+    """The executor publishes under the leader's XPUB lock, which a heartbeat or
+    control send holds while it waits on a full node (``Leader._send``: up to its
+    own timeout). A publish with timeout T then still returns within T + SLACK, at
+    every size, with ``queued=False``.
+
+    Sabotage: take the lock in ``Broadcaster.publish_frames`` without a timeout
+    (``with lock:``): each publish waits for the control send's 5 s ("a publish
+    ... took")."""
+    bc, _ = stalled_broadcaster(ctx, peer)
+    lock = threading.RLock()
+    held, done = threading.Event(), threading.Event()
+
+    def control_send() -> None:
+        with lock:
+            held.set()
+            with contextlib.suppress(TimeoutError):
+                send_frames(bc.xpub, [b"H", *codec.encode(["hb", 1])], deadline_of(5), "control send")
+        done.set()
+
+    thread = threading.Thread(target=control_send)
+    try:
+        _publish_until_full(bc, 1024, lock)  # the node is full: a control send now waits
+        thread.start()
+        assert held.wait(5)
+        slowest = 0.0
+        for size in SIZES:
+            start = time.monotonic()
+            with pytest.raises(SendTimeout) as e:
+                bc.publish_frames(codec.encode((bytes(size),)), timeout=T, lock=lock)
+            slowest = max(slowest, _within(start, size))
+            assert not e.value.queued
+        assert not done.is_set(), "the control send let go of the socket before the publishes ended"
+        print(f"slowest publish while the lock was held: {slowest:.3f} s (timeout {T} s)")
+    finally:
+        if thread.ident is not None:
+            thread.join(10)
+        bc.close()
+
+
+@pytest.mark.timeout(30)
+def test_publish_returns_with_the_callers_buffer_free(ctx, peer):
+    """A 16 MiB tensor published to a subscriber that stopped reading: the publish
+    succeeds, the tensor is changed right after, twice over, and the subscriber,
+    once it goes on, gets what the tensor held at each call.
+
+    Sabotage: in ``queues.send_frames`` send frames of 64 KiB or more with
+    ``copy=False`` (ZeroMQ reads the caller's memory later): the digests differ.
+    With the zero-copy send that waited for ZeroMQ to let go (before this test),
+    the publish does not return while the subscriber is stopped: the test times
+    out."""
+    bc, p = stalled_broadcaster(ctx, peer)
+    try:
+        t = torch.arange(4 * 2**20, dtype=torch.int32)  # 16 MiB
+        want = []
+        for value in (-1, 7):
+            frames = codec.encode((t,))
+            want.append(digest(frames))
+            start = time.monotonic()
+            bc.publish_frames(frames, timeout=5)
+            assert time.monotonic() - start < 1, "publish waited for a subscriber that stopped reading"
+            t.fill_(value)
+        p.resume()
+        assert [read_line(p) for _ in want] == want, "the subscriber got what the tensor held after publish"
+    finally:
+        bc.close()
+
+
+@pytest.mark.timeout(30)
+def test_publish_that_times_out_queued_returns_with_the_callers_buffer_free(ctx, peer):
+    """The remote side takes a 16 MiB message, the local ring (8 MiB, its reader
+    not reading) cannot: ``SendTimeout(queued=True)`` within T + SLACK. The
+    caller changes the tensor at once; the ring reader, and the remote
+    subscriber once it goes on, both get what it held at the call.
+
+    Sabotage: in ``queues.send_frames`` send frames of 64 KiB or more with
+    ``copy=False``: the subscriber's digest differs. Or, in ``RingWriter.send``,
+    keep the unsent rest without copying it (``self._pending = (rest, left)``):
+    the ring reader's digest differs."""
+    bc, p = stalled_broadcaster(ctx, peer, n_local=1)
+    reader = RingReader.attach(bc.handle, 0)
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(digest(reader.recv(timeout=20))))
+    try:
+        t = torch.arange(4 * 2**20, dtype=torch.int32)
+        assert t.nbytes > bc.ring.chunk_bytes * bc.ring.n_chunks, "the message should not fit the ring"
+        frames = codec.encode((t,))
+        want = digest(frames)
+        start = time.monotonic()
+        with pytest.raises(SendTimeout) as e:
+            bc.publish_frames(frames, timeout=T)
+        _within(start, t.nbytes)
+        assert e.value.queued, "the remote side took it: every rank will get it"
+        t.fill_(-1)
+        thread.start()  # reads the ring; the rest follows as the writer flushes
+        bc.ring.flush(deadline_of(20))
+        thread.join(20)
+        assert got == [want], "the ring reader got what the tensor held after the call"
+        p.resume()
+        assert read_line(p) == want, "the subscriber got what the tensor held after the call"
+    finally:
+        if thread.is_alive():
+            thread.join(20)
+        reader.close()
         bc.close()
 
 

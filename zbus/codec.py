@@ -263,7 +263,8 @@ def _default(obj: Any) -> Any:
 
 def encode(obj: Any) -> list[Any]:
     """Encode ``obj`` into frames: ``[header, *buffers]``. Buffers are views of the
-    caller's memory, valid until the caller changes it: send before that."""
+    caller's memory, valid until the caller changes it: send before that (every
+    zbus send copies what it keeps)."""
     outer = getattr(_local, "encoder", None)
     if outer is None:
         packers = getattr(_local, "packers", None)

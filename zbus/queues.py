@@ -10,13 +10,12 @@
 No send is silent about failure: nothing is dropped at a high-water mark (XPUB runs
 with ``XPUB_NODROP``), a peer that does not take a message within the timeout
 raises :class:`TimeoutError`. A send never aliases the caller's memory after it
-returns: large frames go zero-copy, and the send waits until ZeroMQ has released
-them.
+returns or raises: ZeroMQ gets its own copy of every frame, and the ring copies what
+it keeps, so no send waits past its deadline for a peer to read.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Callable, Sequence
 
@@ -26,7 +25,7 @@ from . import codec, protocol
 from .errors import Cancelled, SendTimeout, ZbusError
 from .ring import RingHandle, RingReader, RingWriter
 
-ZERO_COPY_MIN = 64 * 1024  # smaller frames are copied: cheaper than tracking them
+WAIT_SLICE_S = 0.1  # a blocked send or lock wait checks its cancel event this often
 
 
 def deadline_of(timeout: float | None) -> float | None:
@@ -62,58 +61,60 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-RELEASE_LIMIT_S = 60.0  # how long a sent buffer may stay in ZeroMQ's hands
-
-
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str,
-                cancel: Any = None, wait_release: bool = True) -> list:
-    """Send a multipart message; large frames go without a copy.
+                cancel: Any = None) -> None:
+    """Send a multipart message, each frame copied once into ZeroMQ's own memory:
+    the caller may change its buffers as soon as this returns, however long the
+    message then waits for a slow peer.
 
-    ``deadline`` bounds the wait for ZeroMQ to take the message (then
-    :class:`SendTimeout` with ``queued=False``: nothing was sent). Once taken, the
-    send does not return while ZeroMQ still reads the caller's memory, so the
-    caller may change it afterwards (see :func:`wait_released`). With
-    ``wait_release=False`` the caller gets the trackers and must wait itself.
+    Only the first frame can wait (ZeroMQ takes the rest of a message once it took
+    its first part): until ``deadline``, then :class:`SendTimeout` with
+    ``queued=False`` (nothing was sent), or until ``cancel`` is set
+    (:class:`Cancelled`). The wait sleeps in ZeroMQ, woken when the peer makes
+    room: an XPUB socket reports itself writable even at its high-water mark, so
+    polling it would spin.
     """
-    trackers = []
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
-        big = memoryview(frame).nbytes >= ZERO_COPY_MIN
+        flags = zmq.SNDMORE if i < last else 0
+        try:
+            sock.send(frame, flags | zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            _send_waiting(sock, frame, flags, deadline, what, cancel)
+
+
+def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | None, what: str,
+                  cancel: Any) -> None:
+    """Send one frame that ZeroMQ did not take at once: blocking sends of at most
+    ``WAIT_SLICE_S`` each, checking the deadline and ``cancel`` between them."""
+    try:
         while True:
-            try:
-                t = sock.send(frame, flags, copy=not big, track=big)
-                break
-            except zmq.Again:
-                # Only the first part can block: ZeroMQ queues the rest atomically.
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled(f"{what} cancelled") from None
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise SendTimeout(f"{what} timed out", queued=False) from None
-                sock.poll(100 if left is None else max(1, int(min(left, 0.1) * 1000)), zmq.POLLOUT)
-        if big:
-            trackers.append(t)
-    if wait_release:
-        wait_released(trackers, what, cancel)
-    return trackers
-
-
-def wait_released(trackers: list, what: str, cancel: Any = None) -> None:
-    """Wait until ZeroMQ no longer reads the sent buffers; bounded by a set
-    ``cancel`` event and by RELEASE_LIMIT_S (then ``SendTimeout(queued=True)``)."""
-    limit = time.monotonic() + RELEASE_LIMIT_S
-    for t in trackers:
-        while not t.done:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"{what} cancelled")
-            if time.monotonic() > limit:
-                raise SendTimeout(f"{what}: the peer has not taken the message in "
-                                  f"{RELEASE_LIMIT_S} s", queued=True)
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                raise SendTimeout(f"{what} timed out", queued=False)
+            sock.setsockopt(zmq.SNDTIMEO, max(1, int(left * 1000)))
             try:
-                t.wait(0.1)
-            except zmq.NotDone:
+                sock.send(frame, flags, copy=True)
+                return
+            except zmq.Again:
                 pass
+    finally:
+        sock.setsockopt(zmq.SNDTIMEO, -1)
+
+
+def acquire(lock: Any, deadline: float | None, what: str, cancel: Any = None) -> None:
+    """Take ``lock`` by ``deadline`` (else :class:`SendTimeout`, ``queued=False``),
+    giving up when ``cancel`` is set (:class:`Cancelled`)."""
+    while True:
+        left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+        if lock.acquire(timeout=max(0.0, left)):
+            return
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"{what} cancelled")
+        if left <= 0:
+            raise SendTimeout(f"{what} timed out waiting for the socket", queued=False)
 
 
 def recv_frames(sock: zmq.Socket, deadline: float | None, what: str, cancel: Any = None) -> list[memoryview]:
@@ -179,10 +180,11 @@ class Broadcaster:
         """Send one message to every remote subscriber and every ring reader, or to
         none: :class:`SendTimeout` says which (``queued``). The ring is made ready
         first (a message an earlier timeout cut short is finished); once the remote
-        copy is queued, the ring gets it too; only then does the send wait for
-        ZeroMQ to release the caller's memory. ``lock`` serialises the XPUB socket
-        with other threads and is held only while queueing. ``on_full`` runs while
-        the ring is full (see :meth:`RingWriter.send`)."""
+        copy is queued, the ring gets it too. Every step, taking ``lock`` included,
+        ends by ``timeout``, and both the XPUB and the ring copy what they keep, so
+        the caller may change its buffers once this returns or raises. ``lock``
+        serialises the XPUB socket with other threads and is held only while
+        queueing. ``on_full`` runs while the ring is full (see :meth:`RingWriter.send`)."""
         deadline = deadline_of(timeout)
         ring = self.ring
         if ring is not None:
@@ -190,20 +192,21 @@ class Broadcaster:
                 ring.flush(deadline, cancel, on_full)
             except TimeoutError as e:
                 raise SendTimeout(str(e), queued=False) from None
-        trackers: list = []
         if self.xpub is not None:
-            with lock if lock is not None else contextlib.nullcontext():
-                trackers = send_frames(self.xpub, self.wire(topic, frames), deadline,
-                                       "broadcast to remote nodes", cancel, wait_release=False)
-        try:
-            if ring is not None:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    ring.send(frames, left, cancel, on_full)
-                except SendTimeout as e:
-                    raise SendTimeout(str(e), queued=True) from None
-        finally:  # even on a timeout: the caller may reuse its buffers once we return
-            wait_released(trackers, "broadcast to remote nodes", cancel)
+            what = "broadcast to remote nodes"
+            if lock is not None:
+                acquire(lock, deadline, what, cancel)
+            try:
+                send_frames(self.xpub, self.wire(topic, frames), deadline, what, cancel)
+            finally:
+                if lock is not None:
+                    lock.release()
+        if ring is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ring.send(frames, left, cancel, on_full)
+            except SendTimeout as e:
+                raise SendTimeout(str(e), queued=True) from None
 
     def wire(self, topic: bytes, frames: Sequence[Any]) -> list:
         """A call as the XPUB socket sends it: on a keyed link, its large frames in
