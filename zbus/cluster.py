@@ -59,6 +59,21 @@ TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # so a node's answer proves both subscriptions are in place at the leader.
 PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
+MAX_JOIN_BYTES = 64 * 2**10  # a bigger join message is dropped: a real one is well under 1 KiB
+MAX_REPLY_DEFAULT = 256 * 2**20
+
+
+def max_reply() -> int:
+    """The largest message the leader's PULL socket takes (``ZBUS_MAX_REPLY``, default
+    256 MiB, never above ``ZBUS_MAX_MESSAGE``): ZeroMQ drops the connection of a peer
+    that sends a bigger frame before allocating it, and a message whose frames add
+    up to more is dropped (a reply's caller gets a CodecError). Replies with a
+    bigger value belong in shared storage, not on the leader's socket."""
+    value = os.environ.get("ZBUS_MAX_REPLY")
+    limit = int(value) if value else MAX_REPLY_DEFAULT
+    if limit <= 0:
+        raise ValueError(f"ZBUS_MAX_REPLY must be positive, got {value!r}")
+    return min(limit, codec.MAX_MESSAGE)
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 DEFAULT_MASTER_PORT = 29650
 
@@ -266,14 +281,29 @@ class RemoteReceiver:
     socket itself when no other thread is (``pump``), so a reply reaches it with
     no hand-over between threads; else the reading thread files replies here."""
 
-    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool]):
+    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool],
+                 next_seq: Callable[[], int] | None = None):
         self.rank = rank
         self._cond = cond
         self._pump = pump
+        self._next_seq = next_seq  # the highest call number a reply may answer now
+        self._last_seq: int | None = None  # of the last reply queued
         self._queue: collections.deque = collections.deque()
         self._aborted = False
 
+    def expects(self, seq: Any) -> bool:  # called with the condition held
+        """Whether a reply to call ``seq`` can be a real one: a rank answers READY
+        once, then each call once, in order, and no call not yet sent. So what is
+        queued is bounded by the calls in flight, whatever a peer sends."""
+        if type(seq) is not int:
+            return False
+        if seq == protocol.READY:
+            return self._last_seq is None
+        last = 0 if self._last_seq is None else max(self._last_seq, 0)
+        return last < seq <= (self._next_seq() if self._next_seq is not None else seq)
+
     def put(self, reply: Any) -> None:  # called with the condition held
+        self._last_seq = reply[1]
         self._queue.append(reply)
 
     def poll(self) -> bool:
@@ -307,6 +337,8 @@ class RemoteReceiver:
 PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
 CALLERS_QUIET_S = 0.1  # the I/O thread reads the PULL socket once callers left it this long
 MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more are dropped
+PULL_RCVHWM = 16  # messages queued per peer connection inside ZeroMQ on the PULL socket
+MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes of those messages; more are dropped
 RESEND_BYTES = 64 * 2**20  # the last calls kept to send again to a node that lost some
 RESEND_CALL_MAX = 2**20  # a bigger call is not kept: a gap across it fails the node
 
@@ -341,7 +373,11 @@ class Leader:
                                              configure=configure)
             self.pull = self.ctx.socket(zmq.PULL)
             self.pull.setsockopt(zmq.LINGER, 0)
-            self.pull.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
+            self.max_reply = max_reply()
+            self.pull.setsockopt(zmq.MAXMSGSIZE, self.max_reply)
+            # messages ZeroMQ holds per peer before this process reads them (default 1000):
+            # few, so a flooding peer waits on its send instead of filling the leader
+            self.pull.setsockopt(zmq.RCVHWM, PULL_RCVHWM)
             if configure is not None:
                 configure(self.pull)
             bind(self.pull, self.bind_ip, settings.master_port + 1)
@@ -356,6 +392,10 @@ class Leader:
         self.pull_lock = threading.Lock()
         self._caller_seen = 0.0  # when a caller last wanted the PULL socket
         self._control: collections.deque = collections.deque()  # read from PULL, for the I/O thread
+        # bytes of the messages put in _control (by the reader) and taken out (by the I/O
+        # thread): each counter has one writer, so no lock is needed
+        self._control_in = self._control_out = 0
+        self._msg_size = 0  # of the message _recv_control returned last
         self._wake = threading.Event()
         self._pull_closed = False
         self.nodes: dict[int, NodeInfo] = {}
@@ -493,7 +533,7 @@ class Leader:
                         time.monotonic())
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
-            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump)
+            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump, self._next_seq)
         sent = self._send(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
@@ -578,7 +618,8 @@ class Leader:
         try:
             raw = self.pull.recv_multipart(copy=False)
             frames = [f.buffer for f in raw]
-            msg = codec.decode(frames)
+            self._msg_size = sum(f.nbytes for f in frames)
+            msg = codec.decode(frames, self.max_reply)
         except CodecError as e:
             reply = _undecodable_reply(frames, e)
             if reply is None:
@@ -589,6 +630,9 @@ class Leader:
             return None
         if type(msg) is not list or not msg:
             self._drop(f"a message of the wrong shape: {brief(msg)}")
+            return None
+        if type(msg[0]) is str and msg[0] == "join" and self._msg_size > MAX_JOIN_BYTES:
+            self._drop(f"a join request of {self._msg_size} bytes (at most {MAX_JOIN_BYTES})")
             return None
         if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
             self._drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it")
@@ -657,7 +701,9 @@ class Leader:
             self._probe()
         self._wake.clear()
         for _ in range(min(len(self._control), 256)):  # bounded, as the reading is
-            self._dispatch_safely(self._control.popleft())
+            msg, size = self._control.popleft()
+            self._control_out += size
+            self._dispatch_safely(msg)
         if time.monotonic() - self._caller_seen < CALLERS_QUIET_S:
             self._wake.wait(wait_ms / 1000)  # callers read the socket
         elif self.pull_lock.acquire(timeout=wait_ms / 1000):
@@ -701,10 +747,12 @@ class Leader:
             kind = msg[0]
             if type(kind) is int or (type(kind) is str and kind == "hb"):
                 self._dispatch_safely(msg)
-            elif len(self._control) >= MAX_CONTROL_BACKLOG:
+            elif len(self._control) >= MAX_CONTROL_BACKLOG \
+                    or self._control_in - self._control_out + self._msg_size > MAX_CONTROL_BYTES:
                 self._drop("a control message: too many are waiting")
             else:
-                self._control.append(msg)
+                self._control.append((msg, self._msg_size))
+                self._control_in += self._msg_size
                 self._wake.set()
 
     def _dispatch_safely(self, msg: Any) -> None:
@@ -750,6 +798,9 @@ class Leader:
                 self._drop(f"a reply for unknown rank {kind!r}")
                 return
             with self.cond:
+                if not receiver.expects(msg[1]):
+                    self._drop(f"a reply of rank {kind} to call {brief(msg[1])}, which it cannot answer now")
+                    return
                 receiver.put(msg)
                 self.cond.notify_all()
         elif kind == "hb" and len(msg) == 2:  # from a node still being probed: nothing to do
@@ -779,6 +830,11 @@ class Leader:
             self._answer_status(msg[1])
         else:
             self._drop(f"an unknown control message {brief(kind)}")
+
+    def _next_seq(self) -> int:
+        """The highest call number a reply may answer: those sent, and the one being
+        sent (its replies may come before ``sent`` records it)."""
+        return self.sent_seq + 1
 
     def _drop(self, what: str) -> None:
         """Count a dropped message; log it, at most once a second under a flood."""
