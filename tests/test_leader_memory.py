@@ -120,6 +120,32 @@ def test_frames_bigger_than_the_largest_reply_are_refused_before_allocation(monk
         end_process(proc)
 
 
+def test_a_reply_over_the_largest_reply_fails_its_call_and_the_executor_serves_on(monkeypatch):
+    """ZBUS_MAX_REPLY = 1 MiB: a remote rank's reply of 2 MiB in one frame, and one
+    of 2 x 600 KiB frames, each fail their call at once with the CodecError naming
+    the setting (the welcome tells the node the leader's limit; its worker checks
+    before sending); the next call is answered.
+    Sabotage: remove the size test from ZmqSender.put_frames in zbus/queues.py (the
+    2 MiB frame then costs the reply its connection: the call times out, and the
+    next one fails the executor with a protocol error)."""
+    monkeypatch.setenv("ZBUS_MAX_REPLY", str(MiB))
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with executor(port) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            for value in (b"x" * (2 * MiB), (b"y" * (600 * 2**10), b"z" * (600 * 2**10))):
+                t0 = time.monotonic()
+                with pytest.raises(zbus.RemoteError, match="ZBUS_MAX_REPLY") as info:
+                    ex.collective_rpc("echo", args=(value,), timeout=20)
+                assert "(on rank 1)" in str(info.value) and time.monotonic() - t0 < 10
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+            ex.check_health()
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
 def test_control_backlog_is_bounded_in_bytes(monkeypatch):
     """While the I/O thread is slow (each status request takes it 0.5 s) and a
     caller reads the PULL socket, 384 status requests of 1 MiB arrive: those past

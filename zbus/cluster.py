@@ -538,7 +538,7 @@ class Leader:
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
             "reply_address": f"tcp://{_bracket(self.bind_ip)}:{s.master_port + 1}",
-            **self._welcome_spec}])
+            "max_reply": self.max_reply, **self._welcome_spec}])
         if sent:
             self._probing[node_id] = node
         else:  # its next join tries again
