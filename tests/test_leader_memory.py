@@ -45,6 +45,8 @@ for i in range(count):
         msg = codec.encode([1, 10**6 + i if i % 2 else 1, 0, pad])
     elif mode == "join":     # joins of nodes that never subscribe
         msg = codec.encode(["join", f"evil{i:06d}", {"host": "evil", "pad": pad}])
+    elif mode == "joinmaps":  # small joins that decode into many dicts: `size` empty maps
+        msg = codec.encode(["join", f"maps{i:06d}", {"host": "evil", "pad": [{}] * size}])
     try:
         push.send_multipart(msg, copy=False)
     except zmq.ZMQError:
@@ -149,15 +151,17 @@ def test_a_reply_over_the_largest_reply_fails_its_call_and_the_executor_serves_o
 def test_control_backlog_is_bounded_in_bytes(monkeypatch):
     """While the I/O thread is slow (each status request takes it 0.5 s) and a
     caller reads the PULL socket, 384 status requests of 1 MiB arrive: those past
-    MAX_CONTROL_BYTES (8 MiB here) are dropped and counted (measured: 363 to 370
-    dropped, peak growth 30 to 33 MiB: the backlog, PULL_RCVHWM messages inside
+    MAX_CONTROL_BYTES (8 MiB here, with MAX_CONTROL_MESSAGE raised to 4 MiB so
+    that only this bound applies) are dropped and counted (measured: 363 to 380
+    dropped, peak growth 26 to 33 MiB: the backlog, PULL_RCVHWM messages inside
     ZeroMQ, and the allocator's slack).
     Sabotage: remove the byte test from Leader._read_pull's backlog check (the
-    backlog then keeps up to 4096 messages: none dropped, peak growth 397 MiB).
+    backlog then keeps up to 4096 messages: none dropped, peak growth 397 to 404 MiB).
     Or leave the PULL socket's RCVHWM at ZeroMQ's default of 1000 (drop its
     setsockopt in Leader.__init__): ZeroMQ then queues the flood itself, peak
     growth 323 MiB."""
     monkeypatch.setattr(cluster, "MAX_CONTROL_BYTES", 8 * MiB)
+    monkeypatch.setattr(cluster, "MAX_CONTROL_MESSAGE", 4 * MiB)  # only the backlog's bound applies
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")
     stall = threading.Event()
@@ -220,13 +224,17 @@ def test_replies_a_rank_cannot_send_now_are_dropped_not_queued():
 
 
 def test_big_join_requests_are_dropped_while_the_cluster_forms():
-    """While the leader waits for its follower, 300 joins of 1 MiB from node ids
-    that never subscribe arrive: each is over MAX_JOIN_BYTES, dropped and counted
-    (before, the leader kept the last 256 of them). The follower then joins
-    (measured: all 300 dropped, peak growth 20 MiB).
-    Sabotage: remove the MAX_JOIN_BYTES test from Leader._recv_control (joins are
-    then kept, up to 256, as far as the control backlog's 64 MiB lets them through:
-    193 dropped, peak growth 123 MiB)."""
+    """While the leader waits for its follower, from node ids that never subscribe:
+    300 joins of 1 MiB, each over MAX_CONTROL_MESSAGE (dropped before decoding),
+    then 300 joins of 16 KiB that would decode into 1.1 MiB of dicts each (dropped
+    once codec.object_bytes estimates them over MAX_CONTROL_MESSAGE): all dropped
+    and counted (before, the leader kept the last 256 of either). The follower then
+    joins (measured: 600 dropped, peak growth 5 MiB).
+    Sabotage: remove the object_bytes test (``self._msg_bytes > MAX_CONTROL_MESSAGE``)
+    from Leader._recv_control (small joins are then kept as far as the control
+    backlog's 64 MiB lets them through: 554 dropped, peak growth 39 MiB). Or remove
+    both MAX_CONTROL_MESSAGE tests (the big joins too: 512 dropped, peak growth
+    69 MiB)."""
     port = free_port_pair()
     made: dict = {}
 
@@ -242,8 +250,9 @@ def test_big_join_requests_are_dropped_while_the_cluster_forms():
     proc = None
     try:
         time.sleep(1.0)
-        sender = flood(port, "join", 300, MiB)
-        assert sender.wait(120) == 0
+        for mode, size in (("join", MiB), ("joinmaps", 16 * 2**10)):
+            sender = flood(port, mode, 300, size)
+            assert sender.wait(120) == 0
         time.sleep(2.0)  # the leader reads them meanwhile
         growth = rss.stop()
         proc = follower(port, "--node-rank", "1")
@@ -251,8 +260,8 @@ def test_big_join_requests_are_dropped_while_the_cluster_forms():
         assert "error" not in made, made.get("error")
         with made["ex"] as ex:
             dropped = ex._leader.dropped
-            print(f"sent 300 MiB; dropped {dropped}; peak RSS growth {growth / MiB:.1f} MiB")
-            assert dropped >= 300
+            print(f"sent 305 MiB; dropped {dropped}; peak RSS growth {growth / MiB:.1f} MiB")
+            assert dropped >= 600
             assert growth < GROWTH_LIMIT
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
         assert proc.wait(30) == 0

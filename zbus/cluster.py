@@ -59,7 +59,11 @@ TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # so a node's answer proves both subscriptions are in place at the leader.
 PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
-MAX_JOIN_BYTES = 64 * 2**10  # a bigger join message is dropped: a real one is well under 1 KiB
+# A message that is not a reply (a join, heartbeat, report, status request: each well
+# under 2 KiB) is dropped if it is bigger than this, or would decode into more (as
+# codec.object_bytes estimates): so the joins kept and the control backlog are
+# bounded in what they hold, not only in what arrived.
+MAX_CONTROL_MESSAGE = 64 * 2**10
 MAX_REPLY_DEFAULT = 256 * 2**20
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 DEFAULT_MASTER_PORT = 29650
@@ -190,21 +194,40 @@ def resolve_ip(host: str) -> str:
         raise ZbusError(f"cannot resolve {host!r}: {e}") from e
 
 
+_INT_TYPES = frozenset([*range(0x00, 0x80), *range(0xcc, 0xd4), *range(0xe0, 0x100)])
+
+
+def _reply_head(frame: Any) -> list | None:
+    """``[rank, seq]`` if ``frame`` starts as a reply does (an array of 4, then two
+    ints), else None. Reads its first 24 bytes at most, builds nothing else."""
+    import msgpack
+
+    head = bytes(memoryview(frame)[:24])
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(head)
+    try:
+        if unpacker.read_array_header() != 4:
+            return None
+        rank_seq = []
+        for _ in range(2):
+            if head[unpacker.tell()] not in _INT_TYPES:
+                return None
+            rank_seq.append(unpacker.unpack())
+    except Exception:  # noqa: BLE001 - not even the envelope: plain garbage
+        return None
+    return rank_seq
+
+
 def _undecodable_reply(frames: list, error: Exception) -> list | None:
     """A worker's reply whose value cannot be decoded here (a type the driver
     never registered, say) becomes an error reply for that call, so the caller
-    learns why instead of waiting; anything else is None (dropped)."""
-    import msgpack
-
-    try:
-        head = msgpack.unpackb(frames[0], ext_hook=lambda code, data: None, raw=False,
-                               strict_map_key=False)
-    except Exception:  # noqa: BLE001 - not even the envelope: plain garbage
+    learns why instead of waiting; anything else is None (dropped). Only the
+    head is read: the rest is what the codec refused, maybe for what it would build."""
+    head = _reply_head(frames[0]) if frames else None
+    if head is None:
         return None
-    if type(head) is list and len(head) == 4 and type(head[0]) is int and type(head[1]) is int:
-        info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {error}")
-        return [head[0], head[1], protocol.RAISED, info]
-    return None
+    info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {error}")
+    return [*head, protocol.RAISED, info]
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -346,7 +369,7 @@ MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more ar
 # a worker queues 64 more replies on its own side first. 16 keeps small messages near
 # ZeroMQ's full rate (measured on loopback: 375,000/s per connection; 1: 85,000/s).
 PULL_RCVHWM = 16
-MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes of those messages; more are dropped
+MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
 RESEND_BYTES = 64 * 2**20  # the last calls kept to send again to a node that lost some
 RESEND_CALL_MAX = 2**20  # a bigger call is not kept: a gap across it fails the node
 
@@ -398,10 +421,10 @@ class Leader:
         self.pull_lock = threading.Lock()
         self._caller_seen = 0.0  # when a caller last wanted the PULL socket
         self._control: collections.deque = collections.deque()  # read from PULL, for the I/O thread
-        # bytes of the messages put in _control (by the reader) and taken out (by the I/O
-        # thread): each counter has one writer, so no lock is needed
+        # bytes (codec.object_bytes) of the messages put in _control (by the reader) and
+        # taken out (by the I/O thread): each counter has one writer, so no lock is needed
         self._control_in = self._control_out = 0
-        self._msg_size = 0  # of the message _recv_control returned last
+        self._msg_bytes = 0  # what the message _recv_control returned last holds, if no reply
         self._wake = threading.Event()
         self._pull_closed = False
         self.nodes: dict[int, NodeInfo] = {}
@@ -624,7 +647,11 @@ class Leader:
         try:
             raw = self.pull.recv_multipart(copy=False)
             frames = [f.buffer for f in raw]
-            self._msg_size = sum(f.nbytes for f in frames)
+            size = sum(f.nbytes for f in frames)
+            if size > MAX_CONTROL_MESSAGE and _reply_head(frames[0]) is None:
+                self._drop(f"a message of {size} bytes that is no reply (others are at most "
+                           f"{MAX_CONTROL_MESSAGE})")
+                return None
             msg = codec.decode(frames, self.max_reply)
         except CodecError as e:
             reply = _undecodable_reply(frames, e)
@@ -637,9 +664,12 @@ class Leader:
         if type(msg) is not list or not msg:
             self._drop(f"a message of the wrong shape: {brief(msg)}")
             return None
-        if type(msg[0]) is str and msg[0] == "join" and self._msg_size > MAX_JOIN_BYTES:
-            self._drop(f"a join request of {self._msg_size} bytes (at most {MAX_JOIN_BYTES})")
-            return None
+        if type(msg[0]) is not int:  # not a reply: what it holds once decoded
+            self._msg_bytes = size + codec.object_bytes(frames[0])
+            if self._msg_bytes > MAX_CONTROL_MESSAGE:
+                self._drop(f"a {brief(msg[0])} message that decodes into about {self._msg_bytes} "
+                           f"bytes (at most {MAX_CONTROL_MESSAGE})")
+                return None
         if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
             self._drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it")
             return None
@@ -754,11 +784,11 @@ class Leader:
             if type(kind) is int or (type(kind) is str and kind == "hb"):
                 self._dispatch_safely(msg)
             elif len(self._control) >= MAX_CONTROL_BACKLOG \
-                    or self._control_in - self._control_out + self._msg_size > MAX_CONTROL_BYTES:
+                    or self._control_in - self._control_out + self._msg_bytes > MAX_CONTROL_BYTES:
                 self._drop("a control message: too many are waiting")
             else:
-                self._control.append((msg, self._msg_size))
-                self._control_in += self._msg_size
+                self._control.append((msg, self._msg_bytes))
+                self._control_in += self._msg_bytes
                 self._wake.set()
 
     def _dispatch_safely(self, msg: Any) -> None:

@@ -478,23 +478,39 @@ def _check_header(view: memoryview) -> None:
     data = bytes(view)
     limit = OBJECTS_MIN + OBJECTS_FACTOR * len(data)
     if len(data) - len(data.translate(None, _LEVELS)) > MAX_DEPTH or len(data) * _WORST_ITEM > limit:
-        # negative fixints are one-byte items that make an int object: counted here,
-        # as if every such byte were one (an upper bound)
-        spent = _INT_OBJECT * (len(data) - len(data.translate(None, _NEGATIVE_FIXINTS)))
         try:
-            _walk(data, limit - spent)
+            _walk(data, limit - _negative_fixints(data))
         except IndexError:
             raise CodecError("truncated header") from None
 
 
-def _walk(data: bytes, budget: int | None = None) -> None:
+def _negative_fixints(data: bytes) -> int:
+    """Negative fixints are one-byte items that make an int object: their bytes,
+    counted as if every such byte were one (an upper bound)."""
+    return _INT_OBJECT * (len(data) - len(data.translate(None, _NEGATIVE_FIXINTS)))
+
+
+def object_bytes(header: Any) -> int:
+    """The estimate of what decoding a message whose first frame is ``header``
+    builds as Python objects, in bytes (see OBJECTS_MIN), not counting its buffer
+    frames: for a receiver that keeps decoded messages and bounds them by bytes.
+    CodecError for a header decode would refuse."""
+    data = bytes(header)
+    try:
+        return _negative_fixints(data) + _walk(data)
+    except IndexError:
+        raise CodecError("truncated header") from None
+
+
+def _walk(data: bytes, budget: int | None = None) -> int:
     """Follow the type bytes: nesting, counts and lengths that reach past the end,
     extension codes and body lengths (one list of levels, no recursion). With a
     ``budget``, also estimate the bytes of the objects msgpack would build, from
     CPython's sizes (64-bit): a list 64 bytes and 16 an item (a slot, and a
     slot of the tuple an extension makes of it), a dict 160 and 48 an entry, an
     int, float or short str of n bytes 48 + 2n, a longer str or bytes 56 + 2n,
-    an extension 64; refuse the header once that passes ``budget``."""
+    an extension 64; refuse the header once that passes ``budget``. Returns the
+    estimate."""
     end, pos, fixed = len(data), 0, _FIXED
     left, body_end = 1, -1  # items left at this level; where its extension body ends
     stack: list[tuple[int, int]] = []
@@ -518,7 +534,7 @@ def _walk(data: bytes, budget: int | None = None) -> None:
                     raise CodecError(f"decoding this header would build over {budget >> 20} MiB of "
                                      "objects: too many values (send bulk data as bytes, arrays or "
                                      "tensors)")
-                return
+                return spent
             left, body_end = stack.pop()
             continue
         b = data[pos]
