@@ -731,6 +731,31 @@ def test_the_byte_budget_lets_real_messages_through():
     assert out[0][0] == obj[0][0] and torch.equal(out[1]["t"], obj[1]["t"])
 
 
+@pytest.mark.parametrize("item", [b"\x80", b"\x90", b"\x81\x00\x00", b"\xe0"],
+                         ids=["empty-maps", "empty-arrays", "one-entry-maps", "ints"])
+def test_headers_that_would_build_too_many_objects_are_refused(item):
+    """Each byte of a header can become a 64-byte dict: 1 MiB of empty maps builds
+    72 MiB of objects, 256 MiB of them 18 GiB. Headers whose objects are estimated
+    past OBJECTS_MIN + OBJECTS_FACTOR x their size are refused before msgpack runs:
+    at 4 MiB, each of these is (they measure 72x, 72x, 77x and 40x their size).
+    Sabotage: drop the two ``spent > budget`` tests from codec._walk (all decode)."""
+    n = 4 * 2**20 // len(item)
+    with pytest.raises(zbus.CodecError, match="MiB of objects"):
+        decode([b"\xdd" + n.to_bytes(4, "big") + item * n])
+
+
+def test_the_object_budget_lets_real_messages_through():
+    """The positive control: a million token ids, 200,000 small records, 100,000
+    pairs of floats (each header walked, as it is over the size that needs it)."""
+    objs = [list(range(70000, 1_070_000)),
+            [{"id": f"r{i}", "pos": i * 1000, "done": False, "lp": -0.5} for i in range(200_000)],
+            [[i * 0.5, -i * 0.25] for i in range(100_000)]]
+    for obj in objs:
+        frames = as_wire(encode(obj))
+        assert len(frames[0]) * codec._WORST_ITEM > codec.OBJECTS_MIN + codec.OBJECTS_FACTOR * len(frames[0])
+        assert decode(frames) == obj
+
+
 def nested(opener: bytes, n: int) -> bytes:
     return opener * n + b"\xc0"
 

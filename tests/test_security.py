@@ -386,7 +386,8 @@ def good_welcome(**changes):
     ({"spec": {"worker": None}}, "spec"), ({"env": {"A": "x" * 100000}}, "env"),
     ({"env": {str(i): "" for i in range(2000)}}, "env"),
     ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": 3600.0}}, "poll_s"),
-    ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": "1"}}, "poll_s")])
+    ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": "1"}}, "poll_s"),
+    ({"max_reply": 0}, "max_reply"), ({"max_reply": "1"}, "max_reply")])
 def test_a_follower_checks_every_welcome_field(changes, why):
     """Sabotage: make check_welcome return None (the old code checked nothing)."""
     from zbus.agent import check_welcome

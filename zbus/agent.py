@@ -101,6 +101,8 @@ def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None
         return "master_addr is not a short string"
     if not is_text(w.get("reply_address")) or not w["reply_address"].startswith("tcp://"):
         return f"reply_address {brief(w.get('reply_address'))} is not a tcp:// address"
+    if "max_reply" in w and not is_int("max_reply", 1, codec.MAX_MESSAGE):
+        return f"max_reply {brief(w.get('max_reply'))} outside 1..{codec.MAX_MESSAGE}"
     spec = w.get("spec")
     if not isinstance(spec, dict) or not is_text(spec.get("worker")):
         return "spec names no worker class"
@@ -278,7 +280,8 @@ class NodeAgent:
         env = self._worker_env(welcome.get("env") or {})  # the driver's Executor(env=...)
         self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
                                     [{"push": welcome["reply_address"],
-                                      "curve": self.curve.to_dict() if self.curve else None}] * n,
+                                      "curve": self.curve.to_dict() if self.curve else None,
+                                      "max_reply": welcome.get("max_reply")}] * n,
                                     [self.ring.name],
                                     welcome["master_addr"], welcome["torch_port"], env, self._on_death)
         self.ring.send(codec.encode(spec), timeout=30)

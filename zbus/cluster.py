@@ -59,8 +59,28 @@ TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # so a node's answer proves both subscriptions are in place at the leader.
 PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
+# A message that is not a reply (a join, heartbeat, report, status request: each well
+# under 2 KiB) is dropped if it is bigger than this, or would decode into more (as
+# codec.object_bytes estimates): so the joins kept and the control backlog are
+# bounded in what they hold, not only in what arrived.
+MAX_CONTROL_MESSAGE = 64 * 2**10
+MAX_REPLY_DEFAULT = 256 * 2**20
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 DEFAULT_MASTER_PORT = 29650
+
+
+def max_reply() -> int:
+    """The largest message the leader's PULL socket takes (``ZBUS_MAX_REPLY``, default
+    256 MiB, never above ``ZBUS_MAX_MESSAGE``): ZeroMQ drops the connection of a peer
+    that sends a bigger frame before allocating it, and a message whose frames add
+    up to more is dropped (a reply's caller gets a CodecError). The welcome tells
+    the nodes, whose workers answer a call with that error rather than send a
+    bigger reply. Bigger values belong in shared storage, not on the leader's socket."""
+    value = os.environ.get("ZBUS_MAX_REPLY")
+    limit = int(value) if value else MAX_REPLY_DEFAULT
+    if limit <= 0:
+        raise ValueError(f"ZBUS_MAX_REPLY must be positive, got {value!r}")
+    return min(limit, codec.MAX_MESSAGE)
 
 
 _REPR = reprlib.Repr()
@@ -174,21 +194,40 @@ def resolve_ip(host: str) -> str:
         raise ZbusError(f"cannot resolve {host!r}: {e}") from e
 
 
+_INT_TYPES = frozenset([*range(0x00, 0x80), *range(0xcc, 0xd4), *range(0xe0, 0x100)])
+
+
+def _reply_head(frame: Any) -> list | None:
+    """``[rank, seq]`` if ``frame`` starts as a reply does (an array of 4, then two
+    ints), else None. Reads its first 24 bytes at most, builds nothing else."""
+    import msgpack
+
+    head = bytes(memoryview(frame)[:24])
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(head)
+    try:
+        if unpacker.read_array_header() != 4:
+            return None
+        rank_seq = []
+        for _ in range(2):
+            if head[unpacker.tell()] not in _INT_TYPES:
+                return None
+            rank_seq.append(unpacker.unpack())
+    except Exception:  # noqa: BLE001 - not even the envelope: plain garbage
+        return None
+    return rank_seq
+
+
 def _undecodable_reply(frames: list, error: Exception) -> list | None:
     """A worker's reply whose value cannot be decoded here (a type the driver
     never registered, say) becomes an error reply for that call, so the caller
-    learns why instead of waiting; anything else is None (dropped)."""
-    import msgpack
-
-    try:
-        head = msgpack.unpackb(frames[0], ext_hook=lambda code, data: None, raw=False,
-                               strict_map_key=False)
-    except Exception:  # noqa: BLE001 - not even the envelope: plain garbage
+    learns why instead of waiting; anything else is None (dropped). Only the
+    head is read: the rest is what the codec refused, maybe for what it would build."""
+    head = _reply_head(frames[0]) if frames else None
+    if head is None:
         return None
-    if type(head) is list and len(head) == 4 and type(head[0]) is int and type(head[1]) is int:
-        info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {error}")
-        return [head[0], head[1], protocol.RAISED, info]
-    return None
+    info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {error}")
+    return [*head, protocol.RAISED, info]
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -266,14 +305,29 @@ class RemoteReceiver:
     socket itself when no other thread is (``pump``), so a reply reaches it with
     no hand-over between threads; else the reading thread files replies here."""
 
-    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool]):
+    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool],
+                 next_seq: Callable[[], int] | None = None):
         self.rank = rank
         self._cond = cond
         self._pump = pump
+        self._next_seq = next_seq  # the highest call number a reply may answer now
+        self._last_seq: int | None = None  # of the last reply queued
         self._queue: collections.deque = collections.deque()
         self._aborted = False
 
+    def expects(self, seq: Any) -> bool:  # called with the condition held
+        """Whether a reply to call ``seq`` can be a real one: a rank answers READY
+        once, then each call once, in order, and no call not yet sent. So what is
+        queued is bounded by the calls in flight, whatever a peer sends."""
+        if type(seq) is not int:
+            return False
+        if seq == protocol.READY:
+            return self._last_seq is None
+        last = 0 if self._last_seq is None else max(self._last_seq, 0)
+        return last < seq <= (self._next_seq() if self._next_seq is not None else seq)
+
     def put(self, reply: Any) -> None:  # called with the condition held
+        self._last_seq = reply[1]
         self._queue.append(reply)
 
     def poll(self) -> bool:
@@ -307,6 +361,15 @@ class RemoteReceiver:
 PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
 CALLERS_QUIET_S = 0.1  # the I/O thread reads the PULL socket once callers left it this long
 MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more are dropped
+# Messages ZeroMQ queues on the PULL socket for each connection (each worker and
+# each agent has its own, so the world size does not enter) before this process reads
+# them: a flooding peer waits on its own sends after these, and a busy leader holds at
+# most this many messages (and one being received) per connection. Real traffic does
+# not wait on it: a rank sends one reply per call and the leader reads all the time;
+# a worker queues 64 more replies on its own side first. 16 keeps small messages near
+# ZeroMQ's full rate (measured on loopback: 375,000/s per connection; 1: 85,000/s).
+PULL_RCVHWM = 16
+MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
 RESEND_BYTES = 64 * 2**20  # the last calls kept to send again to a node that lost some
 RESEND_CALL_MAX = 2**20  # a bigger call is not kept: a gap across it fails the node
 
@@ -341,7 +404,9 @@ class Leader:
                                              configure=configure)
             self.pull = self.ctx.socket(zmq.PULL)
             self.pull.setsockopt(zmq.LINGER, 0)
-            self.pull.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
+            self.max_reply = max_reply()
+            self.pull.setsockopt(zmq.MAXMSGSIZE, self.max_reply)
+            self.pull.setsockopt(zmq.RCVHWM, PULL_RCVHWM)  # ZeroMQ's default: 1000
             if configure is not None:
                 configure(self.pull)
             bind(self.pull, self.bind_ip, settings.master_port + 1)
@@ -356,6 +421,10 @@ class Leader:
         self.pull_lock = threading.Lock()
         self._caller_seen = 0.0  # when a caller last wanted the PULL socket
         self._control: collections.deque = collections.deque()  # read from PULL, for the I/O thread
+        # bytes (codec.object_bytes) of the messages put in _control (by the reader) and
+        # taken out (by the I/O thread): each counter has one writer, so no lock is needed
+        self._control_in = self._control_out = 0
+        self._msg_bytes = 0  # what the message _recv_control returned last holds, if no reply
         self._wake = threading.Event()
         self._pull_closed = False
         self.nodes: dict[int, NodeInfo] = {}
@@ -493,12 +562,12 @@ class Leader:
                         time.monotonic())
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
-            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump)
+            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump, self._next_seq)
         sent = self._send(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
             "reply_address": f"tcp://{_bracket(self.bind_ip)}:{s.master_port + 1}",
-            **self._welcome_spec}])
+            "max_reply": self.max_reply, **self._welcome_spec}])
         if sent:
             self._probing[node_id] = node
         else:  # its next join tries again
@@ -578,7 +647,12 @@ class Leader:
         try:
             raw = self.pull.recv_multipart(copy=False)
             frames = [f.buffer for f in raw]
-            msg = codec.decode(frames)
+            size = sum(f.nbytes for f in frames)
+            if size > MAX_CONTROL_MESSAGE and _reply_head(frames[0]) is None:
+                self._drop(f"a message of {size} bytes that is no reply (others are at most "
+                           f"{MAX_CONTROL_MESSAGE})", "too-big")
+                return None
+            msg = codec.decode(frames, self.max_reply)
         except CodecError as e:
             reply = _undecodable_reply(frames, e)
             if reply is None:
@@ -590,6 +664,12 @@ class Leader:
         if type(msg) is not list or not msg:
             self._drop(f"a message of the wrong shape: {brief(msg)}", "shape")
             return None
+        if type(msg[0]) is not int:  # not a reply: what it holds once decoded
+            self._msg_bytes = size + codec.object_bytes(frames[0])
+            if self._msg_bytes > MAX_CONTROL_MESSAGE:
+                self._drop(f"a {brief(msg[0])} message that decodes into about {self._msg_bytes} "
+                           f"bytes (at most {MAX_CONTROL_MESSAGE})", "too-big")
+                return None
         if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
             self._drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it",
                        "not-owner")
@@ -659,7 +739,9 @@ class Leader:
             self._probe()
         self._wake.clear()
         for _ in range(min(len(self._control), 256)):  # bounded, as the reading is
-            self._dispatch_safely(self._control.popleft())
+            msg, size = self._control.popleft()
+            self._control_out += size
+            self._dispatch_safely(msg)
         if time.monotonic() - self._caller_seen < CALLERS_QUIET_S:
             self._wake.wait(wait_ms / 1000)  # callers read the socket
         elif self.pull_lock.acquire(timeout=wait_ms / 1000):
@@ -703,10 +785,12 @@ class Leader:
             kind = msg[0]
             if type(kind) is int or (type(kind) is str and kind == "hb"):
                 self._dispatch_safely(msg)
-            elif len(self._control) >= MAX_CONTROL_BACKLOG:
+            elif len(self._control) >= MAX_CONTROL_BACKLOG \
+                    or self._control_in - self._control_out + self._msg_bytes > MAX_CONTROL_BYTES:
                 self._drop("a control message: too many are waiting", "backlog")
             else:
-                self._control.append(msg)
+                self._control.append((msg, self._msg_bytes))
+                self._control_in += self._msg_bytes
                 self._wake.set()
 
     def _dispatch_safely(self, msg: Any) -> None:
@@ -752,6 +836,10 @@ class Leader:
                 self._drop(f"a reply for unknown rank {kind!r}", "unknown-rank")
                 return
             with self.cond:
+                if not receiver.expects(msg[1]):
+                    self._drop(f"a reply of rank {kind} to call {brief(msg[1])}, which it cannot answer now",
+                               "unexpected-reply")
+                    return
                 receiver.put(msg)
                 self.cond.notify_all()
         elif kind == "hb" and len(msg) == 2:  # from a node still being probed: nothing to do
@@ -781,6 +869,11 @@ class Leader:
             self._answer_status(msg[1])
         else:
             self._drop(f"an unknown control message {brief(kind)}", "unknown-kind")
+
+    def _next_seq(self) -> int:
+        """The highest call number a reply may answer: those sent, and the one being
+        sent (its replies may come before ``sent`` records it)."""
+        return self.sent_seq + 1
 
     def _drop(self, what: str, reason: str) -> None:
         """Count a dropped message under ``reason`` (see :attr:`dropped_by`); log it,

@@ -41,6 +41,15 @@ _MAX_FRAMES = 1 << 20
 # using ~40 KiB of C stack: 64 of them fit the 8 MiB of a thread's stack.
 MAX_DEPTH = 64
 BUDGET_FACTOR = 4  # a decode copies at most this many times the message size (+ 1 MiB)
+# The Python objects a header becomes may take at most OBJECTS_MIN bytes plus
+# OBJECTS_FACTOR times the header's size, as estimated from each item by the walk of
+# the header (_walk): one byte of msgpack can become a 64-byte empty dict, so 256 MiB
+# of them would take 18 GiB. The estimate is high by 1.3x to 3.5x: lists of ints or
+# floats measure 6x to 10x their size (estimated 12x to 19x), of small dicts 6x (21x),
+# of pairs of small ints 25x (37x: refused past 6 MiB of header), of one-key dicts in
+# one-key dicts 48x (71x: refused past 0.8 MiB).
+OBJECTS_MIN = 32 * 2**20
+OBJECTS_FACTOR = 32
 
 _registry: dict[str, type] = {}
 _families: dict[str, TypeFamily] = {}
@@ -475,56 +484,96 @@ _EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # width of the body size
 _ONE_BYTE_ITEMS = re.compile(rb"[\x00-\x7f\xa0\xc0\xc2\xc3\xe0-\xff]+")
 _LEVELS = bytes([*range(0x80, 0xa0), *_LIST, *_FIXEXT, *_EXT])  # type bytes that open a level
 _EXT_CODES = frozenset({_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT})
+_NEGATIVE_FIXINTS = bytes(range(0xe0, 0xfb))  # -32..-6: ints Python makes anew (from -5 it keeps)
+_INT_OBJECT = 40  # bytes of such an int, and its slot
+_WORST_ITEM = 160 + 16  # bytes of objects one header byte may become: an empty map in an array
 
 
 def _check_header(view: memoryview) -> None:
     """Refuse a header nested deeper than MAX_DEPTH, counting every map, array and
-    extension type, before msgpack builds anything: msgpack alone nests 1024 deep,
-    beyond what ``str`` or ``==`` of the value survive. Only a header with more
-    bytes that may open a level than MAX_DEPTH is walked."""
+    extension type, or one whose objects would take more than OBJECTS_MIN +
+    OBJECTS_FACTOR times its size, before msgpack builds anything: msgpack alone
+    nests 1024 deep, beyond what ``str`` or ``==`` of the value survive, and makes a
+    64-byte dict of one byte. Only a header with more bytes that may open a level
+    than MAX_DEPTH, or too big for the worst case to fit, is walked."""
     data = bytes(view)
-    if len(data) - len(data.translate(None, _LEVELS)) > MAX_DEPTH:
+    limit = OBJECTS_MIN + OBJECTS_FACTOR * len(data)
+    if len(data) - len(data.translate(None, _LEVELS)) > MAX_DEPTH or len(data) * _WORST_ITEM > limit:
         try:
-            _walk(data)
+            _walk(data, limit - _negative_fixints(data))
         except IndexError:
             raise CodecError("truncated header") from None
 
 
-def _walk(data: bytes) -> None:
+def _negative_fixints(data: bytes) -> int:
+    """Negative fixints are one-byte items that make an int object: their bytes,
+    counted as if every such byte were one (an upper bound)."""
+    return _INT_OBJECT * (len(data) - len(data.translate(None, _NEGATIVE_FIXINTS)))
+
+
+def object_bytes(header: Any) -> int:
+    """The estimate of what decoding a message whose first frame is ``header``
+    builds as Python objects, in bytes (see OBJECTS_MIN), not counting its buffer
+    frames: for a receiver that keeps decoded messages and bounds them by bytes.
+    CodecError for a header decode would refuse."""
+    data = bytes(header)
+    try:
+        return _negative_fixints(data) + _walk(data)
+    except IndexError:
+        raise CodecError("truncated header") from None
+
+
+def _walk(data: bytes, budget: int | None = None) -> int:
     """Follow the type bytes: nesting, counts and lengths that reach past the end,
-    extension codes and body lengths (one list of levels, no recursion)."""
+    extension codes and body lengths (one list of levels, no recursion). With a
+    ``budget``, also estimate the bytes of the objects msgpack would build, from
+    CPython's sizes (64-bit): a list 64 bytes and 16 an item (a slot, and a
+    slot of the tuple an extension makes of it), a dict 160 and 48 an entry, an
+    int, float or short str of n bytes 48 + 2n, a longer str or bytes 56 + 2n,
+    an extension 64; refuse the header once that passes ``budget``. Returns the
+    estimate."""
     end, pos, fixed = len(data), 0, _FIXED
     left, body_end = 1, -1  # items left at this level; where its extension body ends
     stack: list[tuple[int, int]] = []
+    spent, budget = 0, (1 << 63) if budget is None else budget
     while True:
         while left and fixed[data[pos]]:  # scalars, the bulk of a long header: by runs
             size = fixed[data[pos]]
-            if size == 1:
+            if size == 1:  # nil, booleans, small ints, "": objects Python keeps once
                 run = _ONE_BYTE_ITEMS.match(data, pos, pos + left).end() - pos
             else:  # items of one type byte (floats, uint16, ...) at a fixed stride
                 types = data[pos:pos + size * min(left, 256):size]
                 run = len(types) - len(types.lstrip(types[:1]))
+                spent += run * (48 + 2 * size)
             pos += size * run
             left -= run
         if not left:
             if body_end >= 0 and pos != body_end:
                 raise CodecError("an extension body of the wrong length")
             if not stack:
-                return
+                if spent > budget:  # scalars after the last container
+                    raise CodecError(f"decoding this header would build over {budget >> 20} MiB of "
+                                     "objects: too many values (send bulk data as bytes, arrays or "
+                                     "tensors)")
+                return spent
             left, body_end = stack.pop()
             continue
         b = data[pos]
         left -= 1
         if b in _BLOB:
             w = _BLOB[b]
-            pos += 1 + w + int.from_bytes(data[pos + 1:pos + 1 + w], "big")
+            n = int.from_bytes(data[pos + 1:pos + 1 + w], "big")
+            pos += 1 + w + n
+            spent += 56 + 2 * n
             continue
         if 0x80 <= b <= 0x9f:  # fixmap, fixarray
             items, pos, inner_end = (b & 0x0f) * (2 if b < 0x90 else 1), pos + 1, -1
+            spent += 160 + 24 * items if b < 0x90 else 64 + 16 * items
         elif b in _LIST:
             w, each = _LIST[b]
             items = int.from_bytes(data[pos + 1:pos + 1 + w], "big") * each
             pos, inner_end = pos + 1 + w, -1
+            spent += 160 + 24 * items if each == 2 else 64 + 16 * items
         elif b in _FIXEXT or b in _EXT:
             w = _EXT.get(b, 0)
             size = _FIXEXT[b] if b in _FIXEXT else int.from_bytes(data[pos + 1:pos + 1 + w], "big")
@@ -532,12 +581,17 @@ def _walk(data: bytes) -> None:
                 raise CodecError("unknown extension type")
             items, pos = 1, pos + 2 + w
             inner_end = pos + size
+            spent += 64
         else:
             raise CodecError(f"reserved type byte 0x{b:02x}")
         if items > (end if inner_end < 0 else inner_end) - pos:  # each item takes a byte at least
             raise CodecError("a count or length reaches past the end of the header")
         if len(stack) >= MAX_DEPTH:
             raise CodecError(f"maps, arrays and extension types nested deeper than {MAX_DEPTH}")
+        if spent > budget:
+            raise CodecError(f"decoding this header would build over {budget >> 20} MiB of objects "
+                             f"({OBJECTS_MIN >> 20} MiB + {OBJECTS_FACTOR}x its size): too many small "
+                             "maps, arrays or values (send bulk data as bytes, arrays or tensors)")
         stack.append((left, body_end))
         left, body_end = items, inner_end
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from . import codec, protocol
-from .errors import Cancelled, SendTimeout, ZbusError
+from .errors import Cancelled, CodecError, SendTimeout, ZbusError
 from .ring import RingHandle, RingReader, RingWriter
 
 WAIT_SLICE_S = 0.1  # a blocked send or lock wait checks its cancel event this often
@@ -261,7 +261,8 @@ class ZmqSender:
     """PUSH side of a remote response queue: connects to the reader's address."""
 
     def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64,
-                 configure: Callable[[zmq.Socket], None] | None = None):
+                 configure: Callable[[zmq.Socket], None] | None = None, max_bytes: int | None = None):
+        self.max_bytes = max_bytes  # the reader's limit (None: none known)
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PUSH)
         if configure is not None:  # e.g. CurveZMQ keys, which must precede connect
             configure(self.sock)
@@ -275,6 +276,13 @@ class ZmqSender:
         self.put_frames(codec.encode(obj), timeout)
 
     def put_frames(self, frames: Sequence[Any], timeout: float | None = None) -> None:
+        """Send one message; CodecError, sending nothing, if it is over the reader's
+        limit (the reader would drop it, with the connection if one frame is over)."""
+        if self.max_bytes is not None:
+            size = sum(memoryview(f).nbytes for f in frames)
+            if size > self.max_bytes:
+                raise CodecError(f"a message of {size} bytes is over the {self.max_bytes} bytes the "
+                                 "leader takes (ZBUS_MAX_REPLY on the leader)")
         send_frames(self.sock, frames, deadline_of(timeout), "response send")
 
     def close(self, linger_s: float = 1.0) -> None:

@@ -219,7 +219,10 @@ def main() -> None:
         from .curve import NodeCurve
 
         curve = NodeCurve(**resp["curve"]) if resp.get("curve") else None
-        out: Any = ZmqSender(resp["push"], configure=curve.client if curve else None)
+        # the leader's ZBUS_MAX_REPLY: a bigger reply fails its call here, with why, rather than
+        # being cut off with the connection at the leader (its caller would wait for it)
+        out: Any = ZmqSender(resp["push"], configure=curve.client if curve else None,
+                             max_bytes=resp.get("max_reply"))
     else:
         out = ShmSender(resp)
     try:
