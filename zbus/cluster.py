@@ -8,12 +8,13 @@ every remote rank's replies, nodes -> leader). Followers open every connection.
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
 ring), ``H`` leader heartbeats ``["hb", last call number sent]`` (``failed``
 instead once the executor failed), ``stopping`` and the final ``bye``,
-``N<node id>`` control for one node (welcome, reject, or dropped: welcomed, then silent too
-long), ``N<node id>R`` calls sent again to a node that lost them, ``RP``/``HP``
-probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
-``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
-exitcode]``, ``["gap", node_rank, expected_seq, got_seq]``, ``["refused", node_id,
-reason]``, ``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
+``N<node id>`` control for one node (welcome, reject, or dropped: welcomed, then
+silent too long), ``N<node id>R`` calls sent again to a node that lost them,
+``RP``/``HP`` probes. Messages on the PULL side are codec-encoded lists:
+``["join", node_id, info]``, ``["subscribed", node_id]``, ``["hb", node_rank,
+last call relayed]``, ``["died", node_rank, rank, exitcode]``, ``["gap",
+node_rank, expected_seq, got_seq]``, ``["refused", node_id, reason]``,
+``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
 
 Joining: a follower subscribes to ``R``, ``H`` and its own ``N<id>``, then sends
 ``join`` until welcomed. The leader welcomes it (on ``N<id>``) once that
@@ -307,8 +308,7 @@ class RemoteReceiver:
 PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
 CALLERS_QUIET_S = 0.1  # the I/O thread reads the PULL socket once callers left it this long
 MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more are dropped
-RESEND_BYTES = 64 * 2**20  # the last calls kept to send again to a node that lost some
-RESEND_CALL_MAX = 2**20  # a bigger call is not kept: a gap across it fails the node
+RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
 
 
 class Leader:
@@ -365,9 +365,11 @@ class Leader:
         self.failure: Exception | None = None
         self._told_failure = False  # the nodes were sent ``failed``
         self.sent_seq = 0  # the last call number queued for the nodes
-        self._kept: collections.deque = collections.deque()  # (seq, frames) of the last calls
+        self._kept: collections.deque = collections.deque()  # (seq, frames, bytes) of calls a node may lack
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()
+        self._have: dict[int, int] = {}  # node rank: the last call it is known to have relayed
+        self.calls_again = 0  # calls sent again to a node that lost them
         self.formed = settings.nnodes <= 1
         self._joins: dict[str, dict] = {}
         self._subscribed: set[bytes] = set()
@@ -650,6 +652,8 @@ class Leader:
                 log.warning("heartbeat not sent: a node is not taking messages")
             next_hb = time.monotonic() + s.heartbeat_s
             self._check_liveness(time.monotonic())
+            with self._kept_lock:
+                self._forget()  # what the nodes' heartbeats said they have
             if not self.formed:
                 self._expire_probing(time.monotonic())
             touch_health()
@@ -754,11 +758,14 @@ class Leader:
             with self.cond:
                 receiver.put(msg)
                 self.cond.notify_all()
-        elif kind == "hb" and len(msg) == 2:  # from a node still being probed: nothing to do
+            self._has(kind // self.settings.nproc_per_node, msg[1])  # its node had the call
+        elif kind == "hb" and len(msg) in (2, 3):  # from a node still being probed: nothing to do
             node = self.nodes.get(msg[1]) if type(msg[1]) is int else None
             if node is not None:
                 node.last_seen = time.monotonic()
                 self.metrics.heartbeat(node.node_rank)
+                if len(msg) == 3:  # and the last call its agent relayed
+                    self._has(node.node_rank, msg[2])
         elif kind == "died" and len(msg) == 4 and type(msg[1]) is type(msg[2]) is int \
                 and type(msg[3]) in (int, type(None)) and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
@@ -802,19 +809,32 @@ class Leader:
 
     def sent(self, seq: int, frames: list) -> None:
         """Call ``seq`` was queued for the nodes (the executor's sending thread): keep
-        a copy (the caller may reuse its buffers) while the copies fit
-        ``RESEND_BYTES``, to send again to a node whose connection lost it."""
-        size = sum(memoryview(f).nbytes for f in frames)
+        a copy (the caller may reuse its buffers; immutable bytes are kept as they
+        are) until every node is known to have it, to send again to a node whose
+        connection lost it. A node has a call once one of its workers answered it
+        or a later one, or its agent's heartbeat names it or a later one. Copies
+        beyond ``RESEND_BYTES`` are dropped, oldest first: a gap across one of
+        those fails its node."""
+        kept = [f if type(f) is bytes else bytes(f) for f in frames]
+        size = sum(len(f) for f in kept)
         with self._kept_lock:
-            if size > RESEND_CALL_MAX:
-                self._kept.clear()
-                self._kept_bytes = 0
-            else:
-                self._kept.append((seq, [bytes(f) for f in frames]))
-                self._kept_bytes += size
-                while self._kept_bytes > RESEND_BYTES:
-                    self._kept_bytes -= sum(len(f) for f in self._kept.popleft()[1])
+            self._kept.append((seq, kept, size))
+            self._kept_bytes += size
             self.sent_seq = seq
+            self._forget()
+
+    def _has(self, node_rank: int, seq: Any) -> None:
+        """Node ``node_rank`` has relayed call ``seq`` and every call before it (no
+        further than the calls sent: a peer cannot make the leader forget more)."""
+        if type(seq) is int and seq > self._have.get(node_rank, 0):
+            self._have[node_rank] = min(seq, self.sent_seq)
+
+    def _forget(self) -> None:
+        """Drop the copies of the calls every node has, and the oldest past
+        ``RESEND_BYTES`` (``_kept_lock`` held)."""
+        have = min((self._have.get(r, 0) for r in list(self.nodes)), default=self.sent_seq)
+        while self._kept and (self._kept[0][0] <= have or self._kept_bytes > RESEND_BYTES):
+            self._kept_bytes -= self._kept.popleft()[2]
 
     def _resend(self, node: NodeInfo, first: Any) -> bool:
         """Send calls ``first``..last again to ``node`` alone, on its node topic;
@@ -825,7 +845,7 @@ class Leader:
         if not calls or calls[0][0] != first or calls[-1][0] != last:
             return False
         topic = node_topic(node.node_id) + TOPIC_RPC
-        for _, frames in calls:
+        for _, frames, _ in calls:
             if not self.xpub_lock.acquire(timeout=1.0):
                 return False
             try:
@@ -834,6 +854,7 @@ class Leader:
                 return False
             finally:
                 self.xpub_lock.release()
+        self.calls_again += len(calls)
         return True
 
     def publish_remote(self, frames: list, deadline: float | None) -> None:
