@@ -150,7 +150,8 @@ def reset(size: int = 50_000, echo: bool = False) -> None:
     payload too if ``echo``, without a timeout, 16 in flight, non-stop for 6 s
     while the test resets node 2's connections. Reports the replies that were
     wrong and the longest wait for one call; one past 6 s counts as a hang (then
-    exits at once)."""
+    exits at once). Also how many calls the leader sent again and how many
+    copies of replies it dropped (sent again by a worker, and had)."""
     import os
     import threading
     import zlib
@@ -196,7 +197,8 @@ def reset(size: int = 50_000, echo: bool = False) -> None:
         e = st["error"]
         out(calls=st["calls"], bad=st["bad"], hung=hung, longest=st["longest"],
             error=type(e).__name__ if e else None, node_rank=getattr(e, "node_rank", None),
-            message=str(e) if e else None)
+            message=str(e) if e else None, calls_again=ex._leader.calls_again,
+            replies_again=ex._leader.replies_again)
         if hung:
             os._exit(0)
 

@@ -238,10 +238,12 @@ def run_calls(calls: int, max_bytes: int, window: int, seed: int, warmup: float,
                     n["lost"] += world
         elapsed = time.monotonic() - t0
         rss(procs, end_rss)
+        leader = getattr(ex, "_leader", None)  # what the disruptions cost: calls and replies sent again
+        again = {"calls_sent_again": leader.calls_again, "reply_copies_dropped": leader.replies_again}
     n["lost"] += sum(s for s, _ in worker_counts)
     n["duplicated"] += sum(r for _, r in worker_counts)
     mib = 2**20
-    return {"calls": calls, "answered": answered, **n, "error": error,
+    return {"calls": calls, "answered": answered, **n, "error": error, **again,
             "seconds": round(elapsed, 1), "calls_per_s": round(answered / elapsed, 1),
             "bytes_sent": sum(plan), "reply_bytes": sum(replies_plan) * world,
             "rss_after_warmup_mib": {k: round(v / mib, 1) for k, v in warm_rss.items()},

@@ -54,7 +54,7 @@ from .queues import Broadcaster, bind, deadline_of, remaining, send_frames
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: calls say which replies the driver has; heartbeats name the last call relayed
 TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
 # so a node's answer proves both subscriptions are in place at the leader.
@@ -262,38 +262,76 @@ class NodeInfo:
 
 
 class RemoteReceiver:
-    """Replies of one remote rank; the same ``get``/``poll`` interface as the
-    shared-memory response queue. A thread waiting here reads the leader's PULL
-    socket itself when no other thread is (``pump``), so a reply reaches it with
-    no hand-over between threads; else the reading thread files replies here."""
+    """Replies of one remote rank, by call number; the same ``get``/``poll``
+    interface as the shared-memory response queue, told the call the caller
+    wants (``want``). A thread waiting here reads the leader's PULL socket itself
+    when no other thread is (``pump``), so a reply reaches it with no hand-over
+    between threads; else the reading thread files replies here.
 
-    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool]):
+    A reply may come twice, or after later ones: its worker sends again what it
+    kept when its connection drops (:class:`zbus.queues.ReplySender`). A copy of
+    a reply here or taken is dropped (counted in ``again``); ``get`` waits for
+    the reply it wants. If later replies came and that one does not within
+    ``grace`` seconds, the earliest is returned, and the caller's check fails on
+    it (a reply that will never come) instead of waiting for ever."""
+
+    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool],
+                 grace: float = 10.0):
         self.rank = rank
         self._cond = cond
         self._pump = pump
-        self._queue: collections.deque = collections.deque()
+        self._grace = grace
+        self._replies: dict[int, Any] = {}  # call number: reply
+        self._taken = protocol.READY - 1  # the last call number taken
+        self._overtaken: float | None = None  # since when the wanted reply is overtaken
         self._aborted = False
+        self.again = 0  # replies dropped as copies
 
     def put(self, reply: Any) -> None:  # called with the condition held
-        self._queue.append(reply)
+        seq = reply[1]
+        if seq <= self._taken or seq in self._replies:
+            self.again += 1
+        else:
+            self._replies[seq] = reply
 
-    def poll(self) -> bool:
-        if not self._queue:
+    def _take(self, want: int | None) -> Any:
+        """The reply for ``want`` (any: the earliest), or None (condition held)."""
+        if want is not None and want in self._replies:
+            seq = want
+        elif not self._replies:
+            return None
+        else:
+            seq = min(self._replies)
+            if want is not None and seq > want:  # overtaken: sent again, or never
+                now = time.monotonic()
+                self._overtaken = self._overtaken or now
+                if now - self._overtaken < self._grace:
+                    return None
+        self._overtaken = None
+        self._taken = max(self._taken, seq)
+        return self._replies.pop(seq)
+
+    def _ready(self, want: int | None) -> bool:
+        return want in self._replies if want is not None else bool(self._replies)
+
+    def poll(self, want: int | None = None) -> bool:
+        if not self._ready(want):
             self._pump(0.0)
-        return bool(self._queue)
+        return self._ready(want)
 
-    def get(self, timeout: float | None = None, cancel: Any = None) -> Any:
+    def get(self, timeout: float | None = None, cancel: Any = None, want: int | None = None) -> Any:
         deadline = deadline_of(timeout)
         while True:
             with self._cond:
-                if self._queue:
-                    return self._queue.popleft()
+                reply = self._take(want)
+                if reply is not None:
+                    return reply
                 if self._aborted:
                     raise RingClosed(f"replies of rank {self.rank} aborted")
             left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
             if not self._pump(left):  # another thread reads the socket: it files our reply
                 with self._cond:
-                    if not self._queue and not self._aborted:
+                    if not self._ready(want) and not self._aborted:
                         self._cond.wait(left)
 
     def abort(self) -> None:
@@ -495,7 +533,7 @@ class Leader:
                         time.monotonic())
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
-            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump)
+            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump, s.liveness_s)
         sent = self._send(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
@@ -755,6 +793,9 @@ class Leader:
             if receiver is None or len(msg) != 4:
                 self._drop(f"a reply for unknown rank {kind!r}", "unknown-rank")
                 return
+            if type(msg[1]) is not int:
+                self._drop(f"a reply of rank {kind} without a call number", "shape")
+                return
             with self.cond:
                 receiver.put(msg)
                 self.cond.notify_all()
@@ -864,6 +905,12 @@ class Leader:
                 send_frames(self.bcast.xpub, [TOPIC_RPC, *frames], deadline, "broadcast to nodes")
             finally:
                 self.xpub_lock.release()
+
+    @property
+    def replies_again(self) -> int:
+        """Copies of replies dropped: a worker sent again what it kept when its
+        connection dropped, and some of it had arrived."""
+        return sum(r.again for r in list(self.receivers.values()))
 
     @property
     def dropped(self) -> int:
