@@ -1,6 +1,7 @@
 # The two commands a newcomer needs; each sets up what it needs on a fresh machine.
 #   make demo   run the demo cluster
 #   make test   run the test suite (what CI runs)
+# Not in CI: make soak-netns (root), the long soak across namespace hosts.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,7 +21,7 @@ VLLM_UNUSED := torchvision torchaudio torchcodec
 # vLLM's CPU workers on a small machine: one core each, 1 GiB of KV cache.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND="0|1"
 
-.PHONY: demo test test-vllm lint bench bench-compare bench-vllm venv vllm-venv clean
+.PHONY: demo test test-vllm lint bench bench-compare bench-vllm venv vllm-venv clean soak-netns
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +46,13 @@ test-vllm: vllm-venv
 
 bench: venv
 	$(VENV)/bin/zbus bench
+
+# The soak across 3 network namespace hosts (needs root) while the followers' links
+# flap and their connections are reset: SOAK_CALLS calls (a disruption every 2000),
+# one JSON line of counts, disruptions and RSS growth per process (docs/reliability.md).
+SOAK_CALLS ?= 1000000
+soak-netns: venv
+	nice -n 10 $(PY) tests/soak.py --netns --calls $(SOAK_CALLS)
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)

@@ -145,11 +145,13 @@ def full_ring() -> None:
         time.sleep(120)
 
 
-def reset() -> None:
-    """Checksummed calls without a timeout, 16 in flight, non-stop for 6 s while
-    the test resets node 2's connections. Reports the replies that were wrong and
-    the longest wait for one call; one past 6 s counts as a hang (then exits at
-    once)."""
+def reset(size: int = 50_000, echo: bool = False) -> None:
+    """Checksummed calls of ``size`` bytes (each its own), answered with their
+    payload too if ``echo``, without a timeout, 16 in flight, non-stop for 6 s
+    while the test resets node 2's connections. Reports the replies that were
+    wrong and the longest wait for one call; one past 6 s counts as a hang (then
+    exits at once). Also how many calls the leader sent again and how many
+    copies of replies it dropped (sent again by a worker, and had)."""
     import os
     import threading
     import zlib
@@ -165,7 +167,8 @@ def reset() -> None:
             replies = fut.result()  # no timeout: a lost call would hang here
             st["longest"] = max(st["longest"], time.monotonic() - t0)
             st["waiting"] = None
-            st["bad"] += sum(tuple(r) != (i, zlib.crc32(payload)) for r in replies)
+            want = (i, zlib.crc32(payload), payload) if echo else (i, zlib.crc32(payload))
+            st["bad"] += sum(tuple(r) != want for r in replies)
 
         def run() -> None:
             pending = []
@@ -173,8 +176,9 @@ def reset() -> None:
                 end = time.monotonic() + 6
                 while time.monotonic() < end:
                     i = st["calls"]
-                    payload = i.to_bytes(4, "little") * 12_500  # 50 kB, its own per call
-                    pending.append((i, payload, ex.collective_rpc("crc", args=(i, payload), non_block=True)))
+                    payload = i.to_bytes(4, "little") * (size // 4)  # its own per call
+                    pending.append((i, payload, ex.collective_rpc("crc", args=(i, payload, 0.0, echo),
+                                                                  non_block=True)))
                     st["calls"] += 1
                     if len(pending) >= 16:
                         check(pending.pop(0))
@@ -193,7 +197,8 @@ def reset() -> None:
         e = st["error"]
         out(calls=st["calls"], bad=st["bad"], hung=hung, longest=st["longest"],
             error=type(e).__name__ if e else None, node_rank=getattr(e, "node_rank", None),
-            message=str(e) if e else None)
+            message=str(e) if e else None, calls_again=ex._leader.calls_again,
+            replies_again=ex._leader.replies_again)
         if hung:
             os._exit(0)
 
@@ -201,4 +206,5 @@ def reset() -> None:
 if __name__ == "__main__":
     {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip,
      "hold_busy": lambda: hold(busy=True), "full_ring": full_ring,
-     "reset": reset}[sys.argv[1]]()
+     "reset": reset, "reset_big": lambda: reset(size=1_500_000),
+     "reset_replies": lambda: reset(size=500_000, echo=True)}[sys.argv[1]]()

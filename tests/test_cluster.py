@@ -616,3 +616,33 @@ def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):
     finally:
         proc.terminate()
         end_process(proc)
+
+
+def test_replies_sent_again_are_taken_in_call_order_and_copies_dropped():
+    """A remote rank's replies after a reset connection: its worker sends again
+    what it kept, so a reply may come twice or after later ones. Each ``get``
+    returns the reply of the call it wants, copies are dropped and counted, and
+    a reply overtaken by later ones that never comes gives way after the grace
+    (the caller's check then fails on the later one) rather than a wait for
+    ever. Sabotage: take the replies in the order they came, as before (in
+    ``RemoteReceiver._take``: ``seq = next(iter(self._replies))``) → fails
+    (call 2 gets call 3's reply)."""
+    from zbus.cluster import RemoteReceiver
+
+    cond = threading.Condition()
+    rx = RemoteReceiver(2, cond, pump=lambda timeout: False, grace=0.3)  # nobody else reads a socket
+    with cond:
+        for seq in (-1, 1, 3, 2, 3, 1):  # READY; 3 overtakes 2; copies of 3 and of 1
+            rx.put([2, seq, 0, f"reply {seq}"])
+    assert rx.get(1) == [2, -1, 0, "reply -1"]  # READY: whatever comes first
+    assert [rx.get(1, want=s)[3] for s in (1, 2, 3)] == ["reply 1", "reply 2", "reply 3"]
+    with cond:
+        rx.put([2, 2, 0, "reply 2"])  # a copy of one already taken
+        rx.put([2, 5, 0, "reply 5"])  # 4 lost for good
+    assert rx.again == 3
+    assert not rx.poll(4) and rx.poll(5)
+    t0 = time.monotonic()
+    assert rx.get(5, want=4)[1] == 5  # after the grace: the caller sees 5 where it wanted 4
+    assert 0.25 < time.monotonic() - t0 < 2
+    with pytest.raises(TimeoutError):
+        rx.get(0.1, want=6)

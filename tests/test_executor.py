@@ -379,10 +379,11 @@ def test_worker_message_handling_byte_for_byte():
     worker = workers.EchoWorker.__new__(workers.EchoWorker)
     worker.rank, worker.tag, worker.calls = 0, "w", 0
     sent: list = []  # the frames of each reply, as bytes
-    replies = ReplyPipe(lambda reply: sent.append([bytes(f) for f in codec.encode(reply)]))
+    acks: list = []  # each call's "answered" (the driver has the replies up to it)
+    replies = ReplyPipe(lambda reply: sent.append([bytes(f) for f in codec.encode(reply)]), acks.append)
 
     def call(method, payload, reply_rank=-1) -> list[bytes]:
-        envelope = codec.encode([protocol.CALL, 7, method, reply_rank, len(payload)])
+        envelope = codec.encode([protocol.CALL, 7, method, reply_rank, len(payload), 6])
         assert handle(worker, [*envelope, *payload], replies, False)
         frames = sent.pop()
         assert not sent
@@ -409,8 +410,9 @@ def test_worker_message_handling_byte_for_byte():
     why = getattr(codec.decode(frames)[2], "message", "")
     assert why.startswith("cannot decode the arguments of 'echo': ")
     error(frames, protocol.REFUSED, "zbus.errors.ZbusError", why)
-    envelope = codec.encode([protocol.CALL, 8, "echo", 1, 1])  # only rank 1 replies
+    envelope = codec.encode([protocol.CALL, 8, "echo", 1, 1, 7])  # only rank 1 replies
     assert handle(worker, [*envelope, protocol.NO_ARGS], replies, False) and not sent
+    assert set(acks) == {6, 7} and acks[-1] == 7
     assert not handle(worker, codec.encode([protocol.STOP]), replies, False)
     for bad in ([b"\xc1"], [b"\x93\x01\x02\x03"], [b"\xd4\x63\x00"], codec.encode({"a": 1})):
         with pytest.raises(zbus.errors.CodecError):

@@ -213,29 +213,54 @@ def test_follower_with_a_full_ring_ends_when_its_leader_dies(cluster):
     assert wait_exit(followers, 10) == [1, 1]
 
 
-def test_calls_lost_in_a_reset_connection_are_sent_again(cluster):
-    """Node 2's connection to the leader's XPUB port is reset (``ss -K``) five
-    times while checksummed calls without a timeout stream to it: ZeroMQ
-    reconnects and drops what was in flight. Heartbeats carry the last call
-    number, the agent asks for the missing calls, the leader sends them again
-    from the calls it keeps: every call is answered, right, in order, and none
-    waits more than the liveness limit. Sabotage: ``Leader._resend`` returns
-    False (the minimum: the node is failed): ``NodeLostError``; and heartbeats
-    without the number too (``["hb"]`` in ``Leader._step``): the driver hangs."""
+RESETS = {  # scenario: the driver's calls, and which of node 2's connections are reset
+    "calls": ("reset", ("dport", "=", ":29650")),  # 50 kB calls; the call stream (XPUB)
+    "calls_over_1MiB": ("reset_big", ("dport", "=", ":29650")),  # 1.5 MB calls
+    "replies": ("reset_replies", ()),  # 500 kB calls answered with 500 kB; every connection
+}
+
+
+@pytest.mark.parametrize("case", list(RESETS))
+def test_calls_lost_in_a_reset_connection_are_sent_again(cluster, case):
+    """Node 2's connections to the leader are reset (``ss -K``) five times while
+    checksummed calls without a timeout stream to it, 16 in flight: ZeroMQ
+    reconnects and drops what the connections held. ``calls``: its call stream
+    (the XPUB port) is reset. Heartbeats carry the last call number, the agent
+    asks for the missing calls, the leader sends them again from the calls it
+    keeps. ``calls_over_1MiB``: the same with calls of 1.5 MB, which the leader
+    once did not keep. ``replies``: every connection of node 2 is reset, its
+    workers' reply connections too, while the calls are answered with 500 kB;
+    each worker sends again the replies the leader has not taken, and the leader
+    drops those it has. Every call is answered, right, in order, and none waits
+    more than the liveness limit; the leader did send calls again (for
+    ``replies``: dropped copies of replies it had, so the workers sent again).
+    Sabotage: ``Leader._resend`` returns False (the minimum: the node is
+    failed): ``NodeLostError``; heartbeats without the number too (``["hb"]`` in
+    ``Leader._step``): the driver hangs; keep calls up to 1 MiB only (as before)
+    → ``calls_over_1MiB`` fails with ``NodeLostError`` ("missed calls"); send no
+    reply again (``ReplySender._send_again`` returns at once) → ``replies``
+    fails: no copy dropped, and mostly before that the executor's protocol error
+    (a reply overtaken by a later one, after the 3 s grace)."""
+    scenario, match = RESETS[case]
     start_followers(cluster)
-    proc = driver(cluster, "reset")
+    proc = driver(cluster, scenario)
     assert read_json(proc)["ready"]
     leader_ip, node2 = cluster.nodes[0].address, cluster.nodes[2]
+    killed = 0
     for _ in range(5):
         time.sleep(0.5)
-        subprocess.run(["ip", "netns", "exec", node2.ns, "ss", "-K", "dst", leader_ip, "dport", "=",
-                        f":{29650}"], capture_output=True, timeout=10, check=True)
+        out = subprocess.run(["ip", "netns", "exec", node2.ns, "ss", "-K", "-t", "-n", "dst", leader_ip,
+                              *match], capture_output=True, text=True, timeout=10, check=True).stdout
+        killed += sum(leader_ip in line for line in out.splitlines())
     r = read_json(proc, timeout=60)
-    print(f"5 resets of node 2's call stream: {r['calls']} calls, {r['bad']} bad, {r['error']}, "
-          f"longest wait {r['longest']:.2f} s (limit {LIVENESS} s)")
+    print(f"5 resets of node 2's connections ({case}, {killed} killed): {r['calls']} calls, {r['bad']} "
+          f"bad, {r['error']}, longest wait {r['longest']:.2f} s (limit {LIVENESS} s); sent again: "
+          f"{r['calls_again']} calls; copies of replies dropped: {r['replies_again']}")
     assert not r["hung"], r
     assert r["error"] is None and r["bad"] == 0 and r["calls"] > 100, r
     assert r["longest"] < LIVENESS, r
+    assert killed >= (5 if match else 20), killed  # the agent's 2 and its 2 workers' connections
+    assert r["replies_again"] > 0 if case == "replies" else r["calls_again"] > 0, r  # resets met calls
 
 
 def test_compose_commands_run_the_demo_across_three_nodes(cluster):

@@ -231,7 +231,7 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
             batch("replies for no remote rank", [codec.encode([7, 1, 0, None]),  # rank 0 is local
                                                  codec.encode([1, 1, 0])], {"unknown-rank": 2})
             batch("unknown kinds", [codec.encode(["died", 99, 1, 0]), codec.encode([UNKNOWN]),
-                                    codec.encode(["hb", 1, 2])], {"unknown-kind": 3})
+                                    codec.encode(["hb", 1, 2, 3])], {"unknown-kind": 3})
             batch("a head no == can judge", [codec.encode([np.array([1, 2]), 0])], {"handler": 1})
             # a well-formed join once formed is refused with an answer (and logged), not dropped
             batch("joins", [codec.encode(["join", "x" * 16, {"version": "evil"}]),

@@ -33,12 +33,13 @@ class EchoWorker(zbus.Worker):
     def noop(self):
         return None
 
-    def crc(self, seq, payload, delay=0.0):
-        """(seq, crc32 of payload), after ``delay`` s (keeps calls in flight longer)."""
+    def crc(self, seq, payload, delay=0.0, echo=False):
+        """(seq, crc32 of payload), after ``delay`` s (keeps calls in flight longer);
+        with ``echo`` the payload too."""
         import zlib
 
         time.sleep(delay)
-        return seq, zlib.crc32(payload)
+        return (seq, zlib.crc32(payload), payload) if echo else (seq, zlib.crc32(payload))
 
     def env_of(self, names):
         return {n: os.environ.get(n) for n in names}

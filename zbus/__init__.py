@@ -20,7 +20,7 @@ from .executor import Executor, RpcFuture, StartupError
 from .worker import Worker
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 __all__ = [
     "Cancelled", "CodecError", "Executor", "ExecutorFailedError", "NodeLostError", "RemoteError",

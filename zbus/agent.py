@@ -491,7 +491,8 @@ class NodeAgent:
                              f"{now - self._last_leader:.1f} s")
         if now >= self._next_hb:
             if self.node_rank is not None:
-                self._send(["hb", self.node_rank], timeout=0.1)
+                # with the last call relayed: the leader may forget its copies up to it
+                self._send(["hb", self.node_rank, self._last_seq], timeout=0.1)
                 touch_health()
             self._next_hb = now + max(0.05, self.liveness_s / 5)
 

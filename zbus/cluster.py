@@ -8,12 +8,13 @@ every remote rank's replies, nodes -> leader). Followers open every connection.
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
 ring), ``H`` leader heartbeats ``["hb", last call number sent]`` (``failed``
 instead once the executor failed), ``stopping`` and the final ``bye``,
-``N<node id>`` control for one node (welcome, reject, or dropped: welcomed, then silent too
-long), ``N<node id>R`` calls sent again to a node that lost them, ``RP``/``HP``
-probes. Messages on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
-``["subscribed", node_id]``, ``["hb", node_rank]``, ``["died", node_rank, rank,
-exitcode]``, ``["gap", node_rank, expected_seq, got_seq]``, ``["refused", node_id,
-reason]``, ``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
+``N<node id>`` control for one node (welcome, reject, or dropped: welcomed, then
+silent too long), ``N<node id>R`` calls sent again to a node that lost them,
+``RP``/``HP`` probes. Messages on the PULL side are codec-encoded lists:
+``["join", node_id, info]``, ``["subscribed", node_id]``, ``["hb", node_rank,
+last call relayed]``, ``["died", node_rank, rank, exitcode]``, ``["gap",
+node_rank, expected_seq, got_seq]``, ``["refused", node_id, reason]``,
+``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
 
 Joining: a follower subscribes to ``R``, ``H`` and its own ``N<id>``, then sends
 ``join`` until welcomed. The leader welcomes it (on ``N<id>``) once that
@@ -53,7 +54,7 @@ from .queues import Broadcaster, bind, deadline_of, remaining, send_frames
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: calls say which replies the driver has; heartbeats name the last call relayed
 TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
 # so a node's answer proves both subscriptions are in place at the leader.
@@ -300,53 +301,86 @@ class NodeInfo:
 
 
 class RemoteReceiver:
-    """Replies of one remote rank; the same ``get``/``poll`` interface as the
-    shared-memory response queue. A thread waiting here reads the leader's PULL
-    socket itself when no other thread is (``pump``), so a reply reaches it with
-    no hand-over between threads; else the reading thread files replies here."""
+    """Replies of one remote rank, by call number; the same ``get``/``poll``
+    interface as the shared-memory response queue, told the call the caller
+    wants (``want``). A thread waiting here reads the leader's PULL socket itself
+    when no other thread is (``pump``), so a reply reaches it with no hand-over
+    between threads; else the reading thread files replies here.
+
+    A reply may come twice, or after later ones: its worker sends again what it
+    kept when its connection drops (:class:`zbus.queues.ReplySender`). A copy of
+    a reply here or taken is dropped (counted in ``again``); ``get`` waits for
+    the reply it wants. If later replies came and that one does not within
+    ``grace`` seconds, the earliest is returned, and the caller's check fails on
+    it (a reply that will never come) instead of waiting for ever."""
 
     def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool],
-                 next_seq: Callable[[], int] | None = None):
+                 grace: float = 10.0, next_seq: Callable[[], int] | None = None):
         self.rank = rank
         self._cond = cond
         self._pump = pump
+        self._grace = grace
         self._next_seq = next_seq  # the highest call number a reply may answer now
-        self._last_seq: int | None = None  # of the last reply queued
-        self._queue: collections.deque = collections.deque()
+        self._replies: dict[int, Any] = {}  # call number: reply
+        self._taken = protocol.READY - 1  # the last call number taken
+        self._overtaken: float | None = None  # since when the wanted reply is overtaken
         self._aborted = False
+        self.again = 0  # replies dropped as copies
 
     def expects(self, seq: Any) -> bool:  # called with the condition held
-        """Whether a reply to call ``seq`` can be a real one: a rank answers READY
-        once, then each call once, in order, and no call not yet sent. So what is
-        queued is bounded by the calls in flight, whatever a peer sends."""
+        """Whether a reply to call ``seq`` can be a real one, or a copy of one: READY,
+        or a call already sent. A copy is counted and not kept (:meth:`put`), so
+        what is kept is bounded by the calls in flight, whatever a peer sends."""
         if type(seq) is not int:
             return False
-        if seq == protocol.READY:
-            return self._last_seq is None
-        last = 0 if self._last_seq is None else max(self._last_seq, 0)
-        return last < seq <= (self._next_seq() if self._next_seq is not None else seq)
+        return seq == protocol.READY or 0 < seq <= (
+            self._next_seq() if self._next_seq is not None else seq)
 
     def put(self, reply: Any) -> None:  # called with the condition held
-        self._last_seq = reply[1]
-        self._queue.append(reply)
+        seq = reply[1]
+        if seq <= self._taken or seq in self._replies:
+            self.again += 1
+        else:
+            self._replies[seq] = reply
 
-    def poll(self) -> bool:
-        if not self._queue:
+    def _take(self, want: int | None) -> Any:
+        """The reply for ``want`` (any: the earliest), or None (condition held)."""
+        if want is not None and want in self._replies:
+            seq = want
+        elif not self._replies:
+            return None
+        else:
+            seq = min(self._replies)
+            if want is not None and seq > want:  # overtaken: sent again, or never
+                now = time.monotonic()
+                self._overtaken = self._overtaken or now
+                if now - self._overtaken < self._grace:
+                    return None
+        self._overtaken = None
+        self._taken = max(self._taken, seq)
+        return self._replies.pop(seq)
+
+    def _ready(self, want: int | None) -> bool:
+        return want in self._replies if want is not None else bool(self._replies)
+
+    def poll(self, want: int | None = None) -> bool:
+        if not self._ready(want):
             self._pump(0.0)
-        return bool(self._queue)
+        return self._ready(want)
 
-    def get(self, timeout: float | None = None, cancel: Any = None) -> Any:
+    def get(self, timeout: float | None = None, cancel: Any = None, want: int | None = None) -> Any:
         deadline = deadline_of(timeout)
         while True:
             with self._cond:
-                if self._queue:
-                    return self._queue.popleft()
+                reply = self._take(want)
+                if reply is not None:
+                    return reply
                 if self._aborted:
                     raise RingClosed(f"replies of rank {self.rank} aborted")
             left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
             if not self._pump(left):  # another thread reads the socket: it files our reply
                 with self._cond:
-                    if not self._queue and not self._aborted:
+                    if not self._ready(want) and not self._aborted:
                         self._cond.wait(left)
 
     def abort(self) -> None:
@@ -370,8 +404,7 @@ MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more ar
 # ZeroMQ's full rate (measured on loopback: 375,000/s per connection; 1: 85,000/s).
 PULL_RCVHWM = 16
 MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
-RESEND_BYTES = 64 * 2**20  # the last calls kept to send again to a node that lost some
-RESEND_CALL_MAX = 2**20  # a bigger call is not kept: a gap across it fails the node
+RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
 
 
 class Leader:
@@ -434,9 +467,11 @@ class Leader:
         self.failure: Exception | None = None
         self._told_failure = False  # the nodes were sent ``failed``
         self.sent_seq = 0  # the last call number queued for the nodes
-        self._kept: collections.deque = collections.deque()  # (seq, frames) of the last calls
+        self._kept: collections.deque = collections.deque()  # (seq, frames, bytes) of calls a node may lack
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()
+        self._have: dict[int, int] = {}  # node rank: the last call it is known to have relayed
+        self.calls_again = 0  # calls sent again to a node that lost them
         self.formed = settings.nnodes <= 1
         self._joins: dict[str, dict] = {}
         self._subscribed: set[bytes] = set()
@@ -562,7 +597,7 @@ class Leader:
                         time.monotonic())
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
-            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump, self._next_seq)
+            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump, s.liveness_s, self._next_seq)
         sent = self._send(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
@@ -730,6 +765,8 @@ class Leader:
                 log.warning("heartbeat not sent: a node is not taking messages")
             next_hb = time.monotonic() + s.heartbeat_s
             self._check_liveness(time.monotonic())
+            with self._kept_lock:
+                self._forget()  # what the nodes' heartbeats said they have
             if not self.formed:
                 self._expire_probing(time.monotonic())
             touch_health()
@@ -835,6 +872,9 @@ class Leader:
             if receiver is None or len(msg) != 4:
                 self._drop(f"a reply for unknown rank {kind!r}", "unknown-rank")
                 return
+            if type(msg[1]) is not int:
+                self._drop(f"a reply of rank {kind} without a call number", "shape")
+                return
             with self.cond:
                 if not receiver.expects(msg[1]):
                     self._drop(f"a reply of rank {kind} to call {brief(msg[1])}, which it cannot answer now",
@@ -842,11 +882,14 @@ class Leader:
                     return
                 receiver.put(msg)
                 self.cond.notify_all()
-        elif kind == "hb" and len(msg) == 2:  # from a node still being probed: nothing to do
+            self._has(kind // self.settings.nproc_per_node, msg[1])  # its node had the call
+        elif kind == "hb" and len(msg) in (2, 3):  # from a node still being probed: nothing to do
             node = self.nodes.get(msg[1]) if type(msg[1]) is int else None
             if node is not None:
                 node.last_seen = time.monotonic()
                 self.metrics.heartbeat(node.node_rank)
+                if len(msg) == 3:  # and the last call its agent relayed
+                    self._has(node.node_rank, msg[2])
         elif kind == "died" and len(msg) == 4 and type(msg[1]) is type(msg[2]) is int \
                 and type(msg[3]) in (int, type(None)) and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
@@ -895,19 +938,32 @@ class Leader:
 
     def sent(self, seq: int, frames: list) -> None:
         """Call ``seq`` was queued for the nodes (the executor's sending thread): keep
-        a copy (the caller may reuse its buffers) while the copies fit
-        ``RESEND_BYTES``, to send again to a node whose connection lost it."""
-        size = sum(memoryview(f).nbytes for f in frames)
+        a copy (the caller may reuse its buffers; immutable bytes are kept as they
+        are) until every node is known to have it, to send again to a node whose
+        connection lost it. A node has a call once one of its workers answered it
+        or a later one, or its agent's heartbeat names it or a later one. Copies
+        beyond ``RESEND_BYTES`` are dropped, oldest first: a gap across one of
+        those fails its node."""
+        kept = [f if type(f) is bytes else bytes(f) for f in frames]
+        size = sum(len(f) for f in kept)
         with self._kept_lock:
-            if size > RESEND_CALL_MAX:
-                self._kept.clear()
-                self._kept_bytes = 0
-            else:
-                self._kept.append((seq, [bytes(f) for f in frames]))
-                self._kept_bytes += size
-                while self._kept_bytes > RESEND_BYTES:
-                    self._kept_bytes -= sum(len(f) for f in self._kept.popleft()[1])
+            self._kept.append((seq, kept, size))
+            self._kept_bytes += size
             self.sent_seq = seq
+            self._forget()
+
+    def _has(self, node_rank: int, seq: Any) -> None:
+        """Node ``node_rank`` has relayed call ``seq`` and every call before it (no
+        further than the calls sent: a peer cannot make the leader forget more)."""
+        if type(seq) is int and seq > self._have.get(node_rank, 0):
+            self._have[node_rank] = min(seq, self.sent_seq)
+
+    def _forget(self) -> None:
+        """Drop the copies of the calls every node has, and the oldest past
+        ``RESEND_BYTES`` (``_kept_lock`` held)."""
+        have = min((self._have.get(r, 0) for r in list(self.nodes)), default=self.sent_seq)
+        while self._kept and (self._kept[0][0] <= have or self._kept_bytes > RESEND_BYTES):
+            self._kept_bytes -= self._kept.popleft()[2]
 
     def _resend(self, node: NodeInfo, first: Any) -> bool:
         """Send calls ``first``..last again to ``node`` alone, on its node topic;
@@ -918,7 +974,7 @@ class Leader:
         if not calls or calls[0][0] != first or calls[-1][0] != last:
             return False
         topic = node_topic(node.node_id) + TOPIC_RPC
-        for _, frames in calls:
+        for _, frames, _ in calls:
             if not self.xpub_lock.acquire(timeout=1.0):
                 return False
             try:
@@ -928,6 +984,7 @@ class Leader:
                 return False
             finally:
                 self.xpub_lock.release()
+        self.calls_again += len(calls)
         return True
 
     def publish_remote(self, frames: list, deadline: float | None) -> None:
@@ -938,6 +995,12 @@ class Leader:
                             "broadcast to nodes")
             finally:
                 self.xpub_lock.release()
+
+    @property
+    def replies_again(self) -> int:
+        """Copies of replies dropped: a worker sent again what it kept when its
+        connection dropped, and some of it had arrived."""
+        return sum(r.again for r in list(self.receivers.values()))
 
     @property
     def dropped(self) -> int:

@@ -577,6 +577,7 @@ class MultiprocExecutor(Executor):
         self.metrics_port = int(port) if port else None
         self._metrics_server: Any = None
         self._seq = 0
+        self._answered = 0  # every call up to this number has all its replies
         self._pending: collections.deque[RpcFuture] = collections.deque()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
@@ -727,7 +728,7 @@ class MultiprocExecutor(Executor):
             payload = codec.encode((tuple(args), kwargs or {})) if args or kwargs else [protocol.NO_ARGS]
             self._seq += 1
             frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,
-                                             len(payload)), *payload]
+                                             len(payload), self._answered), *payload]
             fut = RpcFuture(self, self._seq, ranks, unique)
             self._pending.append(fut)
             self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
@@ -775,7 +776,7 @@ class MultiprocExecutor(Executor):
             while self._pending:
                 head = self._pending[0]
                 missing = [r for r in head.reply_ranks if r not in head.replies]
-                if missing and not self._receivers[missing[0]].poll():
+                if missing and not self._receivers[missing[0]].poll(head.seq):
                     return
                 try:  # the data is there: a short deadline only guards a torn read
                     self._complete_head(time.monotonic() + 0.05)
@@ -800,7 +801,7 @@ class MultiprocExecutor(Executor):
             if rank in head.replies:
                 continue
             try:
-                reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"))
+                reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"), want=head.seq)
             except RingClosed:
                 raise self._failure or ZbusError("executor is shut down") from None
             except CodecError as e:  # consumed but not decodable here: the caller gets why
@@ -808,6 +809,7 @@ class MultiprocExecutor(Executor):
                          codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]
             self._accept(head, rank, reply)
         self._pending.popleft()
+        self._answered = head.seq
         if not head.done():
             try:
                 head._finish()

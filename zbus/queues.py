@@ -16,6 +16,8 @@ it keeps, so no send waits past its deadline for a peer to read.
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -244,10 +246,12 @@ class ShmReceiver:
     def __init__(self, ring: RingReader):
         self.ring = ring
 
-    def get(self, timeout: float | None = None, cancel: Any = None) -> Any:
+    def get(self, timeout: float | None = None, cancel: Any = None, want: int | None = None) -> Any:
+        """The next reply (a ring loses nothing and keeps order: ``want``, the call
+        whose reply the caller expects, changes nothing here)."""
         return codec.decode(self.ring.recv(timeout, cancel))
 
-    def poll(self) -> bool:
+    def poll(self, want: int | None = None) -> bool:
         return self.ring.poll()
 
     def abort(self) -> None:
@@ -288,6 +292,93 @@ class ZmqSender:
     def close(self, linger_s: float = 1.0) -> None:
         """Close, giving queued replies ``linger_s`` to leave."""
         self.sock.close(linger=int(linger_s * 1000))
+
+
+KEEP_REPLY_BYTES = 512 * 2**20  # copies of the replies the driver may lack; past this the oldest go
+
+
+class ReplySender(ZmqSender):
+    """PUSH side of a remote rank's replies, which no reset connection loses.
+
+    ZeroMQ reconnects by itself, but what the old connection held (the message
+    being written, the kernel's buffers at both ends) is gone without a word, and
+    its caller would wait for ever. So a copy of each call's reply is kept until
+    the driver has it (:meth:`ack`: every call up to a number has all its
+    replies, which each call's envelope tells), and a monitor thread sends every
+    kept reply again as soon as the connection drops: they wait in ZeroMQ's queue
+    and go out on the next connection. The leader drops the copies it already
+    has and puts late ones back in order (:class:`zbus.cluster.RemoteReceiver`).
+    Copies beyond ``KEEP_REPLY_BYTES`` are dropped, oldest first."""
+
+    def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64,
+                 configure: Callable[[zmq.Socket], None] | None = None, max_bytes: int | None = None):
+        super().__init__(address, ctx, hwm, configure, max_bytes)
+        self._lock = threading.Lock()  # the socket: the callers' puts and the monitor's sends
+        self._kept: collections.deque = collections.deque()  # (seq, frames, bytes)
+        self._kept_bytes = 0
+        self._closing = threading.Event()
+        self.sent_again = 0  # replies sent again after a dropped connection
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._thread = threading.Thread(target=self._watch, name="zbus-reply-monitor", daemon=True)
+        self._thread.start()
+
+    def put(self, obj: Any, timeout: float | None = None) -> None:
+        """Send a reply ``[rank, seq, status, value]`` and keep a copy of it (a call's,
+        ``seq`` > 0) until :meth:`ack` says the driver has it."""
+        frames = codec.encode(obj)
+        seq = obj[1] if type(obj) is list and len(obj) == 4 and type(obj[1]) is int else 0
+        with self._lock:
+            self.put_frames(frames, timeout)
+            if seq > 0:
+                kept = [f if type(f) is bytes else bytes(f) for f in frames]
+                size = sum(len(f) for f in kept)
+                self._kept.append((seq, kept, size))
+                self._kept_bytes += size
+                while self._kept_bytes > KEEP_REPLY_BYTES:
+                    self._kept_bytes -= self._kept.popleft()[2]
+
+    def ack(self, answered: int) -> None:
+        """The driver has every reply to the calls up to ``answered``: forget them."""
+        with self._lock:
+            while self._kept and self._kept[0][0] <= answered:
+                self._kept_bytes -= self._kept.popleft()[2]
+
+    def _watch(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        try:
+            while True:
+                event = recv_monitor_message(self._monitor)["event"]
+                if event == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._send_again()
+        except (zmq.ZMQError, Cancelled):
+            return  # closing
+        finally:
+            self._monitor.close(linger=0)
+
+    def _send_again(self) -> None:
+        """The connection dropped: queue every kept reply again (behind what ZeroMQ
+        still holds; the leader sorts them out). Our own copies: no release to
+        wait for."""
+        with self._lock:
+            for _, frames, _ in self._kept:
+                send_frames(self.sock, frames, None, "reply sent again", self._closing)
+            self.sent_again += len(self._kept)
+
+    def close(self, linger_s: float = 1.0) -> None:
+        self._closing.set()  # a send again waiting for room gives up (within 0.1 s)
+        locked = self._lock.acquire(timeout=2.0)
+        try:
+            self.sock.disable_monitor()  # the monitor thread gets MONITOR_STOPPED and ends
+        except zmq.ZMQError:
+            pass
+        finally:
+            if locked:
+                self._lock.release()
+        self._thread.join(2.0)
+        super().close(linger_s)
 
 
 class ZmqReceiver:

@@ -98,8 +98,9 @@ class ReplyPipe:
     Future: its reply goes when it completes, later replies queue behind it, and
     the serving loop is never blocked."""
 
-    def __init__(self, put: Callable[[Any], None]):
+    def __init__(self, put: Callable[[Any], None], ack: Callable[[int], None] | None = None):
         self._put = put
+        self.ack = ack or (lambda answered: None)  # the driver has the replies up to a call
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -152,9 +153,10 @@ def run_call(worker: Any, method: Any, args: Any, kwargs: Any, allow_import: boo
 
 
 def serve(worker: Worker, recv: Callable[[], list], put: Callable[[Any], None],
-          allow_import: bool) -> None:
-    """Serve calls until a STOP message or the ring closes."""
-    replies = ReplyPipe(put)
+          allow_import: bool, ack: Callable[[int], None] | None = None) -> None:
+    """Serve calls until a STOP message or the ring closes; ``ack(answered)`` learns
+    from each call up to which call the driver has every reply."""
+    replies = ReplyPipe(put, ack)
     while True:
         try:
             if not handle(worker, recv(), replies, allow_import):
@@ -173,7 +175,8 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     envelope = protocol.read_envelope(frames[0])
     if envelope[0] == protocol.STOP:
         return False
-    _, seq, method, reply_rank, n_payload = envelope
+    _, seq, method, reply_rank, n_payload, answered = envelope
+    replies.ack(answered)
     try:
         if n_payload == 1 and len(frames) == 2 and frames[1] == protocol.NO_ARGS:
             args, kwargs = (), {}
@@ -204,7 +207,7 @@ def _watch_death_pipe(fd: int, segments: list[str]) -> None:
 
 def main() -> None:
     from . import codec
-    from .queues import ShmSender, ZmqSender
+    from .queues import ReplySender, ShmSender
     from .ring import RingReader
 
     place = json.loads(os.environ.pop("ZBUS_WORKER"))
@@ -221,8 +224,8 @@ def main() -> None:
         curve = NodeCurve(**resp["curve"]) if resp.get("curve") else None
         # the leader's ZBUS_MAX_REPLY: a bigger reply fails its call here, with why, rather than
         # being cut off with the connection at the leader (its caller would wait for it)
-        out: Any = ZmqSender(resp["push"], configure=curve.client if curve else None,
-                             max_bytes=resp.get("max_reply"))
+        out: Any = ReplySender(resp["push"], configure=curve.client if curve else None,
+                               max_bytes=resp.get("max_reply"))
     else:
         out = ShmSender(resp)
     try:
@@ -243,7 +246,7 @@ def main() -> None:
             except CodecError as e:  # a result zbus cannot send: the caller gets why
                 out.put([place["rank"], reply[0], protocol.RAISED, e])
 
-        serve(worker, bcast.recv, put, spec.get("allow_import", True))
+        serve(worker, bcast.recv, put, spec.get("allow_import", True), getattr(out, "ack", None))
     finally:
         bcast.close()
         out.close()
