@@ -175,14 +175,15 @@ class Broadcaster:
 
     def publish_frames(self, frames: Sequence[Any], timeout: float | None = None, topic: bytes = b"",
                        on_full: Callable[[], None] | None = None, cancel: Any = None,
-                       lock: Any = None) -> None:
+                       lock: Any = None, on_queued: Callable[[], None] | None = None) -> None:
         """Send one message to every remote subscriber and every ring reader, or to
         none: :class:`SendTimeout` says which (``queued``). The ring is made ready
         first (a message an earlier timeout cut short is finished); once the remote
         copy is queued, the ring gets it too; only then does the send wait for
         ZeroMQ to release the caller's memory. ``lock`` serialises the XPUB socket
         with other threads and is held only while queueing. ``on_full`` runs while
-        the ring is full (see :meth:`RingWriter.send`)."""
+        the ring is full (see :meth:`RingWriter.send`); ``on_queued`` once the
+        remote copy is queued (ZeroMQ may still be sending the frames)."""
         deadline = deadline_of(timeout)
         ring = self.ring
         if ring is not None:
@@ -196,6 +197,8 @@ class Broadcaster:
                 trackers = send_frames(self.xpub, [topic, *frames], deadline, "broadcast to remote nodes",
                                        cancel, wait_release=False)
         try:
+            if on_queued is not None and self.xpub is not None:
+                on_queued()
             if ring is not None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
