@@ -37,9 +37,10 @@ def test_soak_nothing_lost_duplicated_reordered_and_memory_flat():
     ``main``, for call 777, the first byte of a bytes item of the result) → fails:
     corrupted_replies 6 (the old soak's replies carried no bytes); drop call 777
     in node 1's agent (``NodeAgent._relay``: take its number, relay nothing) →
-    fails: answered 776, lost 90 (the 15 calls in flight x 6 ranks), and the
-    executor's protocol error, whose reply shows rank 2 counted the call it
-    skipped (the old soak died on that error); keep 8 KiB a call in worker 3
+    fails: answered 776, lost 96 (the 16 calls in flight x 6 ranks), and, once
+    rank 2's reply to call 778 has waited the liveness limit (10 s) for the one
+    to 777, the executor's protocol error, whose reply shows rank 2 counted the
+    call it skipped (the old soak died on that error); keep 8 KiB a call in worker 3
     (``handle`` in zbus/worker.py) → fails: worker 3 +14.5 MiB (all 9 summed:
     +3 %, which the old bound of 10 % let pass)."""
     r = run_soak("--calls", "3000", timeout=280)

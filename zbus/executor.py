@@ -749,23 +749,15 @@ class MultiprocExecutor(Executor):
         return fut.result(remaining(deadline, method))
 
     def _publish(self, frames: list, deadline: float | None) -> None:
-        """One call to every rank: the local ring, and one copy per follower node."""
+        """One call to every rank: the local ring, and one copy per follower node.
+        Once the nodes' copy is queued, the leader records the call (heartbeats
+        carry the last call number sent, so a node that lost calls in a reset
+        connection finds out without a next call) and keeps a copy to send again,
+        made while ZeroMQ still sends the caller's buffers."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
-        try:
-            self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock)
-        except SendTimeout as e:
-            if e.queued:  # the nodes have it
-                self._sent_to_nodes(frames)
-            raise
-        self._sent_to_nodes(frames)
-
-    def _sent_to_nodes(self, frames: list) -> None:
-        """Heartbeats carry the last call number sent, so a node that lost calls in
-        a reset connection finds out without waiting for a next call, and asks
-        for them again."""
-        if self._leader is not None:
-            self._leader.sent(self._seq, frames)
+        queued = (lambda: self._leader.sent(self._seq, frames)) if self._leader is not None else None
+        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock, queued)
 
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets

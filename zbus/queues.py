@@ -178,7 +178,7 @@ class Broadcaster:
 
     def publish_frames(self, frames: Sequence[Any], timeout: float | None = None, topic: bytes = b"",
                        on_full: Callable[[], None] | None = None, cancel: Any = None,
-                       lock: Any = None) -> None:
+                       lock: Any = None, on_queued: Callable[[], None] | None = None) -> None:
         """Send one message to every remote subscriber and every ring reader, or to
         none: :class:`SendTimeout` says which (``queued``). The ring is made ready
         first (a message an earlier timeout cut short is finished); once the remote
@@ -186,7 +186,8 @@ class Broadcaster:
         ends by ``timeout``, and both the XPUB and the ring copy what they keep, so
         the caller may change its buffers once this returns or raises. ``lock``
         serialises the XPUB socket with other threads and is held only while
-        queueing. ``on_full`` runs while the ring is full (see :meth:`RingWriter.send`)."""
+        queueing. ``on_full`` runs while the ring is full (see :meth:`RingWriter.send`);
+        ``on_queued`` once the remote copy is queued (ZeroMQ may still be sending it)."""
         deadline = deadline_of(timeout)
         ring = self.ring
         if ring is not None:
@@ -203,6 +204,8 @@ class Broadcaster:
             finally:
                 if lock is not None:
                     lock.release()
+            if on_queued is not None:
+                on_queued()
         if ring is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
