@@ -433,7 +433,7 @@ def test_ndarray_round_trip_property(dtype, shape, seed, transpose):
 
 
 @pytest.mark.parametrize("arr", [np.array(["a"]), np.array([object()]), np.zeros(2, "i4,f4"),
-                                 np.zeros(2, "M8[s]"), np.zeros(2, "V4")], ids=str)
+                                 np.zeros(2, "M8[s]"), np.zeros(2, "V4")], ids=lambda a: str(a.dtype))
 def test_non_numeric_ndarrays_refused(arr):
     with pytest.raises(zbus.CodecError):
         encode(arr)
