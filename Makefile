@@ -85,6 +85,7 @@ mutation-venv: $(MUTATION_VENV)/.installed
 mutation: mutation-venv
 	rm -rf mutants
 	nice -n 19 $(MUTATION_VENV)/bin/mutmut run --max-children $(MUTATION_JOBS)
+	$(PY) -c "from zbus import shm; shm.sweep_stale()"  # rings of mutants killed on timeout
 	$(MUTATION_VENV)/bin/mutmut export-cicd-stats
 	$(MUTATION_VENV)/bin/mutmut results
 
