@@ -117,3 +117,68 @@ def test_a_family_that_left_is_not_used_from_memory(shapes):
     with pytest.raises(CodecError, match="Point"):
         codec.encode(Point(1, 2))
     codec.register_family(shapes)
+
+
+def test_a_family_needs_a_name_without_a_colon():
+    """Names travel as ``family:name``, split at the first colon. Sabotage:
+    ``not family.name and ":" in family.name`` or ``"XX:XX" in family.name`` → a
+    family named ``a:b`` (or no name) is registered; ``ValueError(None)`` → fails."""
+    for name in ("", "a:b", ":"):
+        family = Shapes()
+        family.name = name
+        with pytest.raises(ValueError) as e:
+            codec.register_family(family)
+        assert str(e.value) == "a type family needs a name without ':'"
+        assert name not in codec._families
+
+
+class Label(Point):
+    pass
+
+
+class Qualified(codec.TypeFamily):
+    """A family whose names hold colons themselves (``module:QualName``, as the vLLM
+    family's do)."""
+
+    name = "qualified"
+
+    def reduce(self, obj):
+        return (f"{__name__}:Label", dict(vars(obj))) if type(obj) is Label else None
+
+    def build(self, name, state):
+        if name != f"{__name__}:Label":
+            raise KeyError(name)
+        label = Label.__new__(Label)
+        label.__dict__.update(state)
+        return label
+
+
+def test_names_with_colons_reach_their_family_whole():
+    """Sabotage: ``body[0].rpartition(":")`` → the family is looked up as
+    ``qualified:<module>`` and the object is refused as of an unknown family."""
+    family = codec.register_family(Qualified())
+    try:
+        frames = codec.encode([Label(1, 2)])
+        assert f"qualified:{__name__}:Label".encode() in frames[0]
+        [label] = codec.decode(frames)
+        assert type(label) is Label and vars(label) == {"x": 1, "y": 2}
+    finally:
+        codec._families.pop(family.name)
+
+
+def test_a_family_that_fails_to_build_is_named_with_its_error():
+    """A family's own exception (not a CodecError) becomes a CodecError naming the
+    type (its first 200 characters) and the error. Sabotage: ``CodecError(None)``,
+    ``body[1]`` for the name, ``[:201]``, ``type(None).__name__`` → fails."""
+    import msgpack
+
+    family = codec.register_family(Qualified())
+    try:
+        for name in ("Circle", "C" * 300):
+            body = msgpack.packb([f"qualified:{name}", {"x": 1}])
+            with pytest.raises(CodecError) as e:
+                codec.decode([msgpack.packb(msgpack.ExtType(7, body))])
+            assert str(e.value) == f"cannot build {f'qualified:{name}'[:200]}: KeyError: {KeyError(name)}"
+            assert isinstance(e.value.__cause__, KeyError)
+    finally:
+        codec._families.pop(family.name)
