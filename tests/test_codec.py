@@ -149,6 +149,7 @@ def test_scalar_subclasses_travel_as_their_base_type():
 
 
 def test_large_bytes_in_a_tuple_travel_out_of_band():
+    """From OOB_THRESHOLD bytes on. Sabotage: ``len(x) > OOB_THRESHOLD`` → fails."""
     big = os.urandom(codec.OOB_THRESHOLD + 17)
     frames = encode(("call", big, b"small"))
     assert len(frames) > 1
@@ -156,6 +157,31 @@ def test_large_bytes_in_a_tuple_travel_out_of_band():
     out = decode(as_wire(frames))
     assert type(out) is tuple and type(out[1]) is bytes and out[1] == big
     assert out == ("call", big, b"small")
+    at, below = os.urandom(codec.OOB_THRESHOLD), os.urandom(codec.OOB_THRESHOLD - 1)
+    frames = encode((at, below))
+    assert len(frames) == 2 and bytes(frames[1]) == at and len(frames[0]) < codec.OOB_THRESHOLD + 64
+    assert decode(as_wire(frames)) == (at, below)
+
+
+def test_encode_in_a_new_thread_and_packers_reused():
+    """Each thread keeps one packer per nesting depth. Sabotage: ``self.depth !=
+    len(self.packers)`` → a thread's first encode fails (no packer at depth 0), and
+    later ones add a packer per call."""
+    import threading
+
+    value = [(1, (2, (3, (b"x", Point(1, 2.0))))), {"k": (None,)}]
+    out = {}
+
+    def run():
+        for _ in range(50):
+            out["value"] = decode(as_wire(encode(value)))
+        out["packers"] = len(codec._local.packers)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert out["value"] == value
+    assert out["packers"] <= 8  # the nesting depth of ``value``, not the number of calls
 
 
 @pytest.mark.parametrize("kind", [bytearray, memoryview])
@@ -173,16 +199,55 @@ def test_bytearray_and_memoryview_keep_their_kind(kind, size):
 
 
 def test_memoryview_of_other_formats_and_layouts():
+    """Any memoryview travels as its bytes: a strided one as a compact copy, one of
+    another format or shape cast to flat bytes, so every buffer frame is a 1-D byte
+    view (``len`` is its size) that any transport can send. Sabotage:
+    ``if view.c_contiguous`` or ``view = None`` for the copy (strided views refused);
+    ``format != "B" and ndim != 1``, ``format == "B"``, ``ndim == 1``, ``ndim != 2``
+    or ``cast("b")`` → a frame of another format or shape → fails."""
     arr = np.arange(20000, dtype=np.int32)
-    out = decode(as_wire(encode((memoryview(arr),))))[0]
-    assert type(out) is memoryview and out.tobytes() == arr.tobytes()
-    strided = memoryview(bytearray(os.urandom(3 * codec.OOB_THRESHOLD)))[::3]
-    try:
-        out = decode(as_wire(encode((strided,))))[0]
-    except zbus.CodecError:
-        pass  # refusing a strided view is fine; sending the wrong bytes is not
-    else:
-        assert out.tobytes() == strided.tobytes()
+    big = bytearray(os.urandom(3 * codec.OOB_THRESHOLD))
+    views = {
+        "int32": memoryview(arr),
+        "int32 inline": memoryview(arr[:10]),
+        "signed char": memoryview(big).cast("b"),
+        "2-D bytes": memoryview(big).cast("B", (3, codec.OOB_THRESHOLD)),
+        "2-D bytes inline": memoryview(big[:600]).cast("B", (20, 30)),
+        "strided": memoryview(big)[::3],
+        "strided inline": memoryview(big[:600])[::3],
+    }
+    for name, view in views.items():
+        frames = encode((view,))
+        for f in frames[1:]:
+            assert f.format == "B" and f.ndim == 1 and len(f) == f.nbytes, name
+        out = decode(as_wire(frames))[0]
+        assert type(out) is memoryview and out.tobytes() == view.tobytes(), name
+
+
+def test_large_byte_views_travel_as_views_of_the_callers_memory():
+    """Out of band, a contiguous bytearray or memoryview is sent as it is, not
+    copied (valid until the caller changes it). Sabotage: ``if view.c_contiguous``
+    (contiguous views copied) → fails."""
+    for make in (bytearray, lambda b: memoryview(bytearray(b))):
+        buf = make(bytes(2 * codec.OOB_THRESHOLD))
+        frames = encode((buf,))
+        buf[0] = 7
+        assert frames[1][0] == 7
+
+
+def test_a_memoryview_is_decoded_in_its_writable_frame():
+    """Like a tensor, a memoryview uses a writable frame in place; a read-only frame
+    is copied. Sabotage: the frame always copied (``(type(data) is memoryview) and
+    False``, ``type(None) is memoryview``) → fails."""
+    head = encode((memoryview(bytes(2 * codec.OOB_THRESHOLD)),))[0]
+    frame = bytearray(2 * codec.OOB_THRESHOLD)
+    out = decode([head, frame])[0]
+    frame[0] = 9
+    assert type(out) is memoryview and out[0] == 9
+    readonly = bytes(2 * codec.OOB_THRESHOLD)
+    out = decode([head, readonly])[0]
+    out[0] = 5  # a private, writable copy
+    assert readonly[0] == 0
 
 
 # --- tensors -------------------------------------------------------------------

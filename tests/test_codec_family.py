@@ -182,3 +182,46 @@ def test_a_family_that_fails_to_build_is_named_with_its_error():
             assert isinstance(e.value.__cause__, KeyError)
     finally:
         codec._families.pop(family.name)
+
+
+class Counting(Shapes):
+    """Shapes that counts the objects it is asked to reduce."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.asked: list = []
+
+    def reduce(self, obj):
+        self.asked.append(obj)
+        if type(obj) is Point and obj.x < 0:
+            return None  # this family reduces only points with x >= 0
+        return super().reduce(obj)
+
+
+def test_a_type_goes_straight_to_the_family_that_reduced_it():
+    """The encoder remembers which family reduced a type and asks it alone next
+    time; a family that declines one object of that type is not asked for another
+    family's answer. Sabotage: the memory skipped (``family = None``,
+    ``_family_of.get(None)``, ``_families.get(None) is family``, ``reduced = None``,
+    ``family.reduce(None)``) → the other family is asked every time;
+    ``if reduced is None`` → a declined object fails to encode with a TypeError."""
+    first, second = Counting(), Counting()
+    first.name, second.name = "first", "second"
+    codec._families.pop("shapes")  # only the two counting families
+    codec.register_family(first)
+    codec.register_family(second)
+    try:
+        first.reduce = lambda obj: first.asked.append(obj)  # declines everything
+        assert codec.decode(codec.encode(Point(1, 2))) == Point(1, 2)
+        assert len(first.asked) == 1 and len(second.asked) == 1
+        for i in range(5):
+            assert codec.decode(codec.encode(Point(i, 2))) == Point(i, 2)
+        assert len(first.asked) == 1 and len(second.asked) == 6  # straight to the second
+        with pytest.raises(CodecError) as e:
+            codec.encode(Point(-1, 2))  # declined by both
+        assert str(e.value).startswith(f"cannot encode {__name__}.Point: not a supported type")
+    finally:
+        codec._families.pop("first")
+        codec._families.pop("second")
+        codec.register_family(Shapes())
