@@ -1,7 +1,9 @@
 # The two commands a newcomer needs; each sets up what it needs on a fresh machine.
 #   make demo   run the demo cluster
 #   make test   run the test suite (what CI runs)
-# Not in CI: make soak-netns (root), the long soak across namespace hosts.
+# and, not in CI:
+#   make mutation   mutation testing of the codec, the ring and the envelope (docs/mutation.md)
+#   make soak-netns the long soak across namespace hosts (root)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -21,7 +23,7 @@ VLLM_UNUSED := torchvision torchaudio torchcodec
 # vLLM's CPU workers on a small machine: one core each, 1 GiB of KV cache.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND="0|1"
 
-.PHONY: demo test test-vllm lint bench bench-compare bench-vllm venv vllm-venv clean soak-netns
+.PHONY: demo test test-vllm lint bench bench-compare bench-vllm venv vllm-venv mutation mutation-venv clean soak-netns
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,5 +73,29 @@ bench-compare: vllm-venv
 bench-vllm: vllm-venv
 	$(VLLM_ENV) $(VLLM_VENV)/bin/zbus bench vllm
 
+# mutmut in a venv of its own that sees .venv's packages (a .pth file), so nothing is
+# added to .venv and CI never installs it. Its settings: [tool.mutmut] in pyproject.toml.
+MUTATION_VENV := .venv-mutation
+MUTMUT := mutmut==3.8.1
+MUTATION_JOBS ?= 2
+
+$(MUTATION_VENV)/.installed: $(VENV)/.installed
+	$(PY) -m venv $(MUTATION_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > \
+		"$$($(MUTATION_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/zbus-venv.pth"
+	$(MUTATION_VENV)/bin/python -m pip install -q $(MUTMUT)
+	touch $@
+
+mutation-venv: $(MUTATION_VENV)/.installed
+
+# A fresh run (mutants/ is mutmut's copy of the project and its results), at the
+# lowest priority; then the mutants that were not killed.
+mutation: mutation-venv
+	rm -rf mutants
+	nice -n 19 $(MUTATION_VENV)/bin/mutmut run --max-children $(MUTATION_JOBS)
+	$(PY) -c "from zbus import shm; shm.sweep_stale()"  # rings of mutants killed on timeout
+	$(MUTATION_VENV)/bin/mutmut export-cicd-stats
+	$(MUTATION_VENV)/bin/mutmut results
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(MUTATION_VENV) mutants .pytest_cache

@@ -543,3 +543,204 @@ def test_receive_buffers_of_pool_misses_hold_exactly_each_message():
     finally:
         reader.close()
         writer.close()
+
+
+# --- the reader's end, in this process -------------------------------------------
+
+
+def test_a_message_cut_by_timeouts_on_both_ends_arrives_whole_and_a_cancel_stops_it():
+    """A 4 KiB message through a 1 KiB ring: the writer's sends and the reader's
+    receives time out in turn until it is through; each end keeps its part. Then a
+    second message, cancelled mid-way. Sabotage: ``self._partial = None`` on a
+    timeout (the rest read as a new message), ``out, got = None`` or
+    ``self._partial = ""`` on resuming (the next recv breaks), the rest of a
+    message read with no deadline (``_next_chunk(None, cancel)``: hangs) or no
+    cancel (``_next_chunk(deadline, None)``: a TimeoutError after 5 s instead of
+    Cancelled) → fails."""
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    payloads = [os.urandom(4096), os.urandom(4096)]
+    try:
+        with pytest.raises(TimeoutError):
+            writer.send([b"head", payloads[0]], timeout=0.05)
+        frames, reader_timeouts, writer_timeouts = None, 0, 0
+        for _ in range(20):
+            try:
+                frames = reader.recv(timeout=0.05)
+                break
+            except TimeoutError:
+                reader_timeouts += 1
+            try:
+                writer.flush(time.monotonic() + 0.05)
+            except TimeoutError:
+                writer_timeouts += 1
+        assert frames is not None and reader_timeouts >= 3 and writer_timeouts >= 3
+        assert [bytes(f) for f in frames] == [b"head", payloads[0]]
+
+        with pytest.raises(TimeoutError):
+            writer.send([payloads[1]], timeout=0.05)
+        with pytest.raises(TimeoutError):
+            reader.recv(timeout=0.05)  # a part read and kept
+        cancel = threading.Event()
+        cancel.set()
+        t0 = time.monotonic()
+        with pytest.raises(Cancelled, match="^recv cancelled$"):
+            reader.recv(timeout=5, cancel=cancel)  # the next chunk is not there yet
+        assert time.monotonic() - t0 < 2
+        for _ in range(20):  # the cancelled message is still whole
+            try:
+                writer.flush(time.monotonic() + 0.05)
+            except TimeoutError:
+                pass
+            try:
+                frames = reader.recv(timeout=0.05)
+                break
+            except TimeoutError:
+                pass
+        assert [bytes(f) for f in frames] == [payloads[1]]
+        writer.send([b"next"], timeout=1)
+        assert [bytes(f) for f in reader.recv(timeout=1)] == [b"next"]
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_messages_of_many_frames_keep_every_frame_in_place():
+    """Frames of all sizes (empty ones too) come back at their lengths and in order,
+    each starting 64-byte aligned in the receive buffer. Sabotage: the frame lengths
+    read from the start of the message (``struct.unpack_from(f"<{n}Q", out)``) →
+    fails."""
+    writer = RingWriter.create(1, RingGeometry(1024, 8))
+    reader = RingReader.attach(writer.handle, 0)
+    rng = random.Random(5)
+    try:
+        for n in (1, 2, 3, 7, 40):
+            frames = [rng.randbytes(rng.choice([0, 1, 63, 64, 65, 300])) for _ in range(n)]
+            writer.send(frames, timeout=5)
+            got = reader.recv(timeout=5)
+            assert [bytes(f) for f in got] == frames
+            base = got[0].obj
+            assert all(f.obj is base for f in got)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_refusals_of_attach_and_recv_say_what_and_which():
+    """The errors name the end, the index and the ring. Sabotage: ``ValueError(None)``
+    or ``handle.n_readers + 1`` in attach's range; the doorbell's role as None or
+    its default (``this end``); ``"recv"`` changed or None in the waits;
+    ``RingClosed(None)`` for a ring closed while waiting; the index not kept
+    (``self.index = None``) → fails."""
+    writer = RingWriter.create(2, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle.to_dict(), 1)  # as a handle travels: a dict
+    try:
+        assert reader.index == 1
+        with pytest.raises(ValueError) as e:
+            RingReader.attach(writer.handle, 2)
+        assert str(e.value) == "reader index 2 out of range 0..1"
+        with pytest.raises(OSError, match=r"is reader 1 of this ring attached twice\?$"):
+            RingReader.attach(writer.handle, 1)
+        with pytest.raises(TimeoutError) as e:
+            reader.recv(timeout=0.05)
+        assert str(e.value) == f"recv timed out on ring {writer.name}"
+        threading.Timer(0.1, writer.close, kwargs={"unlink": False}).start()
+        with pytest.raises(RingClosed) as e:
+            reader.recv(timeout=5)
+        assert str(e.value) == f"ring {reader.name} closed"
+    finally:
+        reader.close()
+        writer.close()
+        shm.unlink(writer.handle.name)
+
+
+def test_a_segment_that_is_not_a_ring_is_refused():
+    """Sabotage: the magic word not checked (``... != _MAGIC) and False``), or the
+    reasons' text changed → fails."""
+    from zbus.ring import RingHandle, segment_size
+
+    geo = RingGeometry(256, 4)
+    seg = shm.Segment.create(segment_size(geo, 1))  # zeros: no magic word
+    try:
+        handle = RingHandle(seg.name, seg.size, 1, geo.chunk_bytes, geo.n_chunks)
+        with pytest.raises(RingClosed) as e:
+            RingReader.attach(handle, 0)
+        assert str(e.value) == f"segment {seg.name} is not a zbus ring"
+    finally:
+        seg.close()
+        shm.unlink(seg.name)
+    writer = RingWriter.create(2, geo)
+    name = writer.handle.name
+    RingReader.attach(writer.handle, 0).close()
+    try:
+        with pytest.raises(RingClosed) as e:
+            RingReader.attach(writer.handle, 0)
+        assert str(e.value) == f"segment {name} has reader 0 detached"
+        writer.close(unlink=False)
+        with pytest.raises(RingClosed) as e:
+            RingReader.attach(writer.handle, 1)
+        assert str(e.value) == f"segment {name} is closed"
+    finally:
+        writer.close()
+        shm.unlink(writer.handle.name)
+
+
+def test_each_end_waits_by_the_policy_it_was_given():
+    """Sabotage: attach or ``__init__`` dropping the policy (``cls(seg, None, index)``,
+    ``super().__init__(seg, None)``: the environment's instead), ``keep_polling``
+    setting anything but the polling time → fails."""
+    writer_policy, reader_policy = WaitPolicy(0.001, 0.002, 0.3), WaitPolicy(0.004, 0.005, 0.6)
+    writer = RingWriter.create(1, RingGeometry(256, 4), writer_policy)
+    reader = RingReader.attach(writer.handle, 0, reader_policy)
+    try:
+        assert writer._policy == writer_policy and reader._policy == reader_policy
+        reader.keep_polling(0.25)
+        assert reader._policy == WaitPolicy(0.004, 0.25, 0.6)
+        writer.send([b"x"], timeout=1)
+        assert bytes(reader.recv(timeout=1)[0]) == b"x"
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_buffer_pool_sizes_reuses_and_drops_its_buffers():
+    """A receive buffer is a whole number of steps (256 KiB, or 1/16 of the size's
+    power of two above that), reused for any message it fits once no view of it is
+    left, and at most KEEP of them (KEEP_BYTES in all, the largest alone may pass
+    it) are kept, the smallest dropped first. Sabotage: ``n <= MIN_BYTES`` (a
+    256 KiB buffer not pooled); ``len(b) > n`` (an exact fit not reused), ``best =
+    None``, ``_exported`` always True (nothing reused) or shrinking the buffer
+    (``del b[-2:]``); the step ``1 >> ...``, ``2 << ...``, ``+ 4`` or ``- 5``;
+    rounding ``n + step + 1`` or ``n + step - 2``; eviction with ``and``, ``>= KEEP``,
+    ``> 1 or``, ``>= 1``, ``> 2``, ``>= KEEP_BYTES``, or by content (``min(...)`` with
+    no ``key=len``) → fails."""
+    from zbus.ring import BufferPool
+
+    MIN = BufferPool.MIN_BYTES
+    pool = BufferPool()
+    assert len(pool.take(MIN - 1)) == MIN - 1 and pool._buffers == []  # small: not pooled
+    for n, size in [(MIN, MIN), (MIN + 1, 2 * MIN), (2 * MIN, 2 * MIN), (16 * 2**20 + 1, 18 * 2**20),
+                    (3 * 2**20 + 1, 3 * 2**20 + MIN)]:
+        pool = BufferPool()
+        view = pool.take(n)
+        assert len(view) == n and len(view.obj) == size, (n, len(view.obj))
+        del view
+        again = pool.take(n)  # an exact fit, free again: the same buffer, whole
+        assert len(again) == n and again.obj is pool._buffers[0] and len(pool._buffers[0]) == size
+        assert pool.take(n).obj is not again.obj  # in use: a new one
+        del again
+
+    pool = BufferPool()
+    pool.KEEP_BYTES = 10 * MIN
+    held = [pool.take(k * MIN) for k in (4, 1, 3, 2)]  # all in use
+    for v, fill in zip(held, (b"\x00", b"\xff", b"\x00", b"\x00")):
+        v.obj[:] = fill * len(v.obj)  # content must not decide which is dropped
+    del v
+    assert sorted(map(len, pool._buffers)) == [MIN, 2 * MIN, 3 * MIN, 4 * MIN]  # 10 * MIN: kept
+    held.append(pool.take(5 * MIN))  # a fifth: the smallest go (one for KEEP, two for KEEP_BYTES)
+    assert sorted(map(len, pool._buffers)) == [4 * MIN, 5 * MIN]
+    held.append(pool.take(20 * MIN))  # larger than KEEP_BYTES alone: kept, alone
+    assert sorted(map(len, pool._buffers)) == [20 * MIN]
+    del held
+    small = pool.take(MIN)  # the one kept fits: reused, though far larger
+    assert small.obj is pool._buffers[0]

@@ -1,0 +1,102 @@
+"""The broadcast envelope (zbus/protocol.py): what a worker accepts as a call or a
+stop, and how it refuses anything else.
+
+The envelope is plain msgpack: the expected bytes here are written with msgpack
+itself, never with zbus's codec.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+import zbus
+from zbus import protocol
+from zbus.protocol import CALL, STOP, call_envelope, read_envelope
+
+
+def packed(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_call_envelope_is_plain_msgpack_and_reads_back():
+    """Sabotage: ``call_envelope`` encoding something else (``codec.encode(None)``)
+    or returning a buffer frame instead of the header (``[1]``) → fails."""
+    frame = call_envelope(7, "step", -1, 2)
+    assert frame == packed([CALL, 7, "step", -1, 2, 0])
+    assert read_envelope(frame) == [CALL, 7, "step", -1, 2, 0]
+    assert read_envelope(call_envelope(7, "step", -1, 2, 6)) == [CALL, 7, "step", -1, 2, 6]
+    assert type(read_envelope(frame)) is list  # a list, as the worker indexes and compares it
+
+
+def test_stop_and_calls_are_read_as_lists_of_str_and_int():
+    """Sabotage: ``msgpack.unpackb(..., raw=True)`` (the method name as bytes),
+    ``use_list=False`` (tuples: every call refused), ``envelope == [STOP] and ...``
+    or ``... != [STOP] or ...`` (STOP refused or every call refused) → fails."""
+    assert read_envelope(packed([STOP])) == [STOP]
+    envelope = read_envelope(packed([CALL, 1, "load", 0, 1, 0]))
+    assert envelope == [CALL, 1, "load", 0, 1, 0] and type(envelope[2]) is str
+    assert read_envelope(memoryview(packed([CALL, 2**40, "x", -1, 0, 3]))) == [CALL, 2**40, "x", -1, 0, 3]
+
+
+@pytest.mark.parametrize("envelope", [
+    [STOP, 1],                      # STOP takes no fields
+    [CALL, 1, "m", 0, 1],           # five fields
+    [CALL, 1, "m", 0, 1, 0, 2],     # seven fields
+    [3, 1, "m", 0, 1, 0],           # an unknown kind
+    [STOP, 1, "m", 0, 1, 0],        # STOP's kind with a call's fields
+    [CALL, True, "m", 0, 1, 0],     # seq a bool (msgpack's true, not an int)
+    ["1", 1, "m", 0, 1, 0],         # the kind as text
+    [CALL, "1", "m", 0, 1, 0],      # seq not an int
+    [CALL, 1.0, "m", 0, 1, 0],      # seq a float
+    [CALL, 1, "m", "0", 1, 0],      # reply_rank not an int
+    [CALL, 1, "m", None, 1, 0],     # reply_rank None
+    [CALL, 1, "m", 0, "1", 0],      # n_payload not an int
+    [CALL, 1, "m", 0, [1], 0],      # n_payload a list
+    {"kind": CALL},                 # a map
+    CALL,                           # a bare int
+    "call",                         # a bare string
+    None,
+    [],
+    [CALL, 1, "m", 0, 1, "0"],      # answered not an int
+])
+def test_anything_but_stop_or_a_call_is_refused_by_name(envelope):
+    """Sabotage: any of the envelope checks loosened or dropped (``or`` for ``and``,
+    ``len != 6`` / ``== 7``, ``envelope[1] == CALL``, ``type(envelope[2])`` or
+    ``[5]`` for a checked field, ``is not int``, ``type(None)``) → a refused shape
+    passes, or the check itself raises instead of refusing (IndexError on a short
+    list, TypeError on ``len`` of an int), or a call is refused. The message names
+    the envelope (at most 100 characters of it): ``CodecError(None)`` or
+    ``str(None)`` → fails."""
+    with pytest.raises(zbus.CodecError) as e:
+        read_envelope(packed(envelope))
+    assert str(e.value) == f"not a call envelope: {str(envelope)[:100]}"
+
+
+def test_a_long_refused_envelope_is_named_in_100_characters():
+    """Sabotage: ``str(envelope)[:101]`` → fails."""
+    envelope = [CALL, 1, "m" * 500, 0, "x", 0]
+    with pytest.raises(zbus.CodecError) as e:
+        read_envelope(packed(envelope))
+    assert str(e.value) == "not a call envelope: " + str(envelope)[:100]
+    assert len(str(e.value)) == len("not a call envelope: ") + 100
+
+
+@pytest.mark.parametrize("frame", [b"", b"\xc1", packed([STOP]) + b"\x00", b"\x95\x01", b"\xd9\x03ab"])
+def test_bytes_that_are_not_msgpack_are_refused_with_msgpacks_reason(frame):
+    """Sabotage: ``envelope = None`` or ``msgpack.unpackb(None, ...)`` (every frame
+    refused, or none parsed), ``CodecError(None)`` or ``type(None).__name__`` in the
+    message → fails."""
+    try:
+        msgpack.unpackb(frame)
+    except Exception as err:  # noqa: BLE001 - what msgpack says about this frame
+        expected = f"cannot decode the envelope: {type(err).__name__}: {err}"
+    else:
+        pytest.fail(f"msgpack read {frame!r}")
+    with pytest.raises(zbus.CodecError) as e:
+        read_envelope(frame)
+    assert str(e.value) == expected
+
+
+def test_no_args_is_the_encoding_of_empty_arguments():
+    assert zbus.codec.decode([protocol.NO_ARGS]) == ((), {})
