@@ -164,24 +164,30 @@ def test_large_bytes_in_a_tuple_travel_out_of_band():
 
 
 def test_encode_in_a_new_thread_and_packers_reused():
-    """Each thread keeps one packer per nesting depth. Sabotage: ``self.depth !=
-    len(self.packers)`` → a thread's first encode fails (no packer at depth 0), and
-    later ones add a packer per call."""
+    """Each thread keeps one packer per nesting depth, made once. Sabotage:
+    ``self.depth != len(self.packers)`` → a thread's first encode fails (no packer
+    at depth 0), later ones add a packer per call; the thread's packers not kept
+    (``packers = None``, looked up under another name, ``packers is not None``,
+    ``_local.packers = None``, ``outer is not None``) → fails."""
     import threading
 
     value = [(1, (2, (3, (b"x", Point(1, 2.0))))), {"k": (None,)}]
     out = {}
 
     def run():
+        encode(value)
+        first = list(codec._local.packers)
         for _ in range(50):
             out["value"] = decode(as_wire(encode(value)))
         out["packers"] = len(codec._local.packers)
+        out["same"] = all(a is b for a, b in zip(first, codec._local.packers))
 
     t = threading.Thread(target=run)
     t.start()
     t.join(30)
     assert out["value"] == value
     assert out["packers"] <= 8  # the nesting depth of ``value``, not the number of calls
+    assert out["same"], "a thread's packers were made again for a later encode"
 
 
 @pytest.mark.parametrize("kind", [bytearray, memoryview])
@@ -196,6 +202,53 @@ def test_bytearray_and_memoryview_keep_their_kind(kind, size):
             out = get(decode(fr))
             assert type(out) is kind
             assert bytes(out) == data
+
+
+class Sealed:
+    """A value whose family sends it as the codec's own encoding of what it holds:
+    an ``encode`` inside an ``encode``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+
+class SealedFamily(codec.TypeFamily):
+    name = "sealed"
+
+    def reduce(self, obj):
+        if type(obj) is not Sealed:
+            return None
+        if obj.inner == "boom":
+            raise ValueError("boom")
+        frames = encode(obj.inner)
+        return "Sealed", [bytes(f) for f in frames]
+
+    def build(self, name, state):
+        return Sealed(decode(state))
+
+
+def test_encode_inside_an_encode_and_errors_raised_while_encoding():
+    """An encode called while another runs (a family's reduce, a property) has
+    packers of its own and gives the outer one back its state. An exception that
+    is not a CodecError becomes one naming it. Sabotage: the outer encoder not
+    looked up (``outer = None``, ``getattr(None, ...)``, another name: the inner
+    encode takes the outer's packers and leaves no encoder behind), the inner one
+    given ``packers = None``, ``_local.encoder = None`` afterwards;
+    ``CodecError(None)`` or ``type(None).__name__`` → fails."""
+    family = codec.register_family(SealedFamily())
+    try:
+        value = [Sealed((1, {"a": Sealed([b"x", 2.5])}, Point(1, 2.0))), (Point(3, 4.0), b"y" * 10), "end"]
+        out = decode(as_wire(encode(value)))
+        assert type(out[0]) is Sealed and out[0].inner[0] == 1 and out[0].inner[2] == Point(1, 2.0)
+        assert type(out[0].inner[1]["a"]) is Sealed and out[0].inner[1]["a"].inner == [b"x", 2.5]
+        assert out[1:] == value[1:]
+        assert codec._local.encoder is None
+        with pytest.raises(zbus.CodecError) as e:
+            encode([1, Sealed("boom")])
+        assert str(e.value) == "cannot encode: ValueError: boom"
+        assert codec._local.encoder is None
+    finally:
+        codec._families.pop(family.name)
 
 
 def test_memoryview_of_other_formats_and_layouts():
