@@ -847,3 +847,43 @@ def test_an_abort_ends_a_waiting_send_and_later_ones_and_says_so():
     finally:
         reader.close()
         writer.close()
+
+
+def test_the_segment_layout_puts_each_reader_on_its_cache_lines_and_data_on_a_page():
+    """Sabotage: readers 65 bytes apart (``65 * r``), the data page rounded from
+    ``end + 4096`` → fails."""
+    from zbus.ring import _data_offset, _reader_off
+
+    assert [_reader_off(r) for r in range(4)] == [192, 256, 320, 384]
+    assert _data_offset(1) == 4096 and _data_offset(61) == 4096 and _data_offset(62) == 8192
+
+
+def test_a_ring_made_by_its_owner_is_attached_by_a_writer_elsewhere():
+    """The owner makes the ring (``ring.create``) and hands its handle, as a dict,
+    to the writer and the readers (the executor's reply rings). Sabotage: no
+    readers refused (the message changed), the handle's counts and sizes left out
+    (``None``), ``RingWriter.attach`` dropping a dict handle or the policy, the
+    writer's doorbell role (``None``, the default, changed) → fails."""
+    from zbus import ring
+
+    with pytest.raises(ValueError) as e:
+        ring.create(0, RingGeometry(256, 4))
+    assert str(e.value) == "a ring needs at least one reader"
+    geo, policy = RingGeometry(256, 4), WaitPolicy(0.0, 0.001, 0.2)
+    handle = ring.create(2, geo)
+    try:
+        assert handle == ring.RingHandle(handle.name, ring.segment_size(geo, 2), 2, 256, 4)
+        writer = RingWriter.attach(handle.to_dict(), policy)
+        try:
+            assert writer.handle == handle and writer._policy == policy
+            with pytest.raises(OSError, match=r"is the writer of this ring attached twice\?$"):
+                RingWriter.attach(handle)
+            readers = [RingReader.attach(handle.to_dict(), i) for i in range(2)]
+            writer.send([b"hello"], timeout=1)
+            assert [bytes(r.recv(timeout=1)[0]) for r in readers] == [b"hello", b"hello"]
+            for r in readers:
+                r.close()
+        finally:
+            writer.close(unlink=False)
+    finally:
+        shm.unlink(handle.name)
