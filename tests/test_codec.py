@@ -137,6 +137,24 @@ def test_unencodable_values_raise_codec_error(value):
         encode([1, {"k": (value,)}])
 
 
+def test_an_unsupported_type_is_named_with_how_to_allow_it():
+    """Sabotage: ``np is not None or isinstance(obj, np.generic)`` (any object taken
+    for a numpy scalar), the advice's text changed → fails."""
+    for value, name in [(object(), "builtins.object"), (Unregistered(1), f"{__name__}.Unregistered")]:
+        with pytest.raises(zbus.CodecError) as e:
+            encode([1, (value,)])
+        assert str(e.value) == (f"cannot encode {name}: not a supported type "
+                                "(register dataclasses with zbus.codec.register)")
+
+
+def test_dense_maps_decode():
+    """A map of k entries takes 2 k bytes at least, so a map of small keys and values
+    is as long as ``max_map_len = n // 2`` lets through. Sabotage: ``n // 3`` → fails."""
+    dense = {i: None for i in range(100)}
+    assert decode(encode(dense)) == dense
+    assert decode(as_wire(encode((dense, dense)))) == (dense, dense)
+
+
 def test_scalar_subclasses_travel_as_their_base_type():
     class Color(enum.IntEnum):
         RED = 3
@@ -951,8 +969,9 @@ def test_nested_extension_bodies_count_against_the_byte_budget():
     body = header([b"x" * 2**20])
     for _ in range(60):
         body = header(msgpack.ExtType(TUPLE, body))
-    with pytest.raises(zbus.CodecError, match="budget"):
+    with pytest.raises(zbus.CodecError) as e:
         decode([body])
+    assert str(e.value) == "decoding this message would exceed its byte budget (4x its size + 1 MiB)"
 
 
 def test_the_byte_budget_lets_real_messages_through():
@@ -1054,6 +1073,7 @@ WALKED_REFUSED = {
     "map count past the end": (walked(b"\xde\x00\x03\x01\x02\x03\x04"), "past"),
     "array16 cut in its count": (walked(b"\xdc\x00"), "past"),
     "empty extension body": (walked(b"\x92\xc7\x00\x01\x01"), "past"),
+    "a str past the end, then more": (walked(b"\x93\xd9\x05ab"), "truncated header"),
     "extension body of two items": (walked(b"\xd5\x01\x01\x02"), "wrong length"),
     "extension body too short": (walked(b"\xd6\x01\x01\x02"), "wrong length"),
 }
@@ -1069,7 +1089,7 @@ def test_the_header_walker_refuses_what_it_is_for_and_says_why(data, reason):
     header is not walked, and the deep nesting after it gets through;
     an extension's item count checked against the header's end, not its body's
     (``(inner_end < 0) or True``); ``+ pos`` for ``- pos``; the reasons' text
-    changed → fails."""
+    changed (``truncated header`` too) → fails."""
     with pytest.raises(zbus.CodecError) as e:
         decode([data])
     assert str(e.value) == WALKER_REASONS.get(reason, reason)

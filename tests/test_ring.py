@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from conftest import TEST_PATH, end_process, spawn_python, zbus_segments
+from conftest import TEST_PATH, end_process, own_segments, spawn_python, zbus_segments
 from ring_procs import end_message, make_message
 
 from zbus import shm
@@ -887,3 +887,39 @@ def test_a_ring_made_by_its_owner_is_attached_by_a_writer_elsewhere():
             writer.close(unlink=False)
     finally:
         shm.unlink(handle.name)
+
+
+def test_waiting_flags_are_lowered_when_a_wait_ends():
+    """A side raises its waiting flag only while it sleeps, so the other side rings
+    its doorbell only then. Sabotage: the flag left raised (``i[flag] = 1`` when
+    the wait ends) → fails."""
+    from zbus import ring
+
+    writer = RingWriter.create(1, RingGeometry(256, 2), WaitPolicy(0.0, 0.0, 0.5))
+    reader = RingReader.attach(writer.handle, 0, WaitPolicy(0.0, 0.0, 0.5))
+    try:
+        threading.Timer(0.1, writer.send, args=([b"a"],)).start()
+        assert bytes(reader.recv(timeout=5)[0]) == b"a"  # slept, then woken
+        assert writer._i[writer._reader_flags[0]] == 0
+        writer.send([b"b"], timeout=1)
+        writer.send([b"c"], timeout=1)
+        threading.Timer(0.1, reader.recv, kwargs={"timeout": 1}).start()
+        writer.send([b"d"], timeout=5)  # slept on the full ring, then woken
+        assert writer._i[ring._I_WWAIT] == 0
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_writer_that_fails_to_start_removes_the_ring_it_made():
+    """Sabotage: ``shm.unlink(None)`` on the way out → the segment is left."""
+
+    class Failing(RingWriter):
+        def __init__(self, seg, policy):
+            seg.close()
+            raise OSError("no start")
+
+    before = zbus_segments()
+    with pytest.raises(OSError, match="no start"):
+        Failing.create(1, RingGeometry(256, 4))
+    assert own_segments(zbus_segments() - before) == set()
