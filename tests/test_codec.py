@@ -137,6 +137,24 @@ def test_unencodable_values_raise_codec_error(value):
         encode([1, {"k": (value,)}])
 
 
+def test_an_unsupported_type_is_named_with_how_to_allow_it():
+    """Sabotage: ``np is not None or isinstance(obj, np.generic)`` (any object taken
+    for a numpy scalar), the advice's text changed → fails."""
+    for value, name in [(object(), "builtins.object"), (Unregistered(1), f"{__name__}.Unregistered")]:
+        with pytest.raises(zbus.CodecError) as e:
+            encode([1, (value,)])
+        assert str(e.value) == (f"cannot encode {name}: not a supported type "
+                                "(register dataclasses with zbus.codec.register)")
+
+
+def test_dense_maps_decode():
+    """A map of k entries takes 2 k bytes at least, so a map of small keys and values
+    is as long as ``max_map_len = n // 2`` lets through. Sabotage: ``n // 3`` → fails."""
+    dense = {i: None for i in range(100)}
+    assert decode(encode(dense)) == dense
+    assert decode(as_wire(encode((dense, dense)))) == (dense, dense)
+
+
 def test_scalar_subclasses_travel_as_their_base_type():
     class Color(enum.IntEnum):
         RED = 3
@@ -164,24 +182,30 @@ def test_large_bytes_in_a_tuple_travel_out_of_band():
 
 
 def test_encode_in_a_new_thread_and_packers_reused():
-    """Each thread keeps one packer per nesting depth. Sabotage: ``self.depth !=
-    len(self.packers)`` → a thread's first encode fails (no packer at depth 0), and
-    later ones add a packer per call."""
+    """Each thread keeps one packer per nesting depth, made once. Sabotage:
+    ``self.depth != len(self.packers)`` → a thread's first encode fails (no packer
+    at depth 0), later ones add a packer per call; the thread's packers not kept
+    (``packers = None``, looked up under another name, ``packers is not None``,
+    ``_local.packers = None``, ``outer is not None``) → fails."""
     import threading
 
     value = [(1, (2, (3, (b"x", Point(1, 2.0))))), {"k": (None,)}]
     out = {}
 
     def run():
+        encode(value)
+        first = list(codec._local.packers)
         for _ in range(50):
             out["value"] = decode(as_wire(encode(value)))
         out["packers"] = len(codec._local.packers)
+        out["same"] = all(a is b for a, b in zip(first, codec._local.packers))
 
     t = threading.Thread(target=run)
     t.start()
     t.join(30)
     assert out["value"] == value
     assert out["packers"] <= 8  # the nesting depth of ``value``, not the number of calls
+    assert out["same"], "a thread's packers were made again for a later encode"
 
 
 @pytest.mark.parametrize("kind", [bytearray, memoryview])
@@ -196,6 +220,53 @@ def test_bytearray_and_memoryview_keep_their_kind(kind, size):
             out = get(decode(fr))
             assert type(out) is kind
             assert bytes(out) == data
+
+
+class Sealed:
+    """A value whose family sends it as the codec's own encoding of what it holds:
+    an ``encode`` inside an ``encode``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+
+class SealedFamily(codec.TypeFamily):
+    name = "sealed"
+
+    def reduce(self, obj):
+        if type(obj) is not Sealed:
+            return None
+        if obj.inner == "boom":
+            raise ValueError("boom")
+        frames = encode(obj.inner)
+        return "Sealed", [bytes(f) for f in frames]
+
+    def build(self, name, state):
+        return Sealed(decode(state))
+
+
+def test_encode_inside_an_encode_and_errors_raised_while_encoding():
+    """An encode called while another runs (a family's reduce, a property) has
+    packers of its own and gives the outer one back its state. An exception that
+    is not a CodecError becomes one naming it. Sabotage: the outer encoder not
+    looked up (``outer = None``, ``getattr(None, ...)``, another name: the inner
+    encode takes the outer's packers and leaves no encoder behind), the inner one
+    given ``packers = None``, ``_local.encoder = None`` afterwards;
+    ``CodecError(None)`` or ``type(None).__name__`` → fails."""
+    family = codec.register_family(SealedFamily())
+    try:
+        value = [Sealed((1, {"a": Sealed([b"x", 2.5])}, Point(1, 2.0))), (Point(3, 4.0), b"y" * 10), "end"]
+        out = decode(as_wire(encode(value)))
+        assert type(out[0]) is Sealed and out[0].inner[0] == 1 and out[0].inner[2] == Point(1, 2.0)
+        assert type(out[0].inner[1]["a"]) is Sealed and out[0].inner[1]["a"].inner == [b"x", 2.5]
+        assert out[1:] == value[1:]
+        assert codec._local.encoder is None
+        with pytest.raises(zbus.CodecError) as e:
+            encode([1, Sealed("boom")])
+        assert str(e.value) == "cannot encode: ValueError: boom"
+        assert codec._local.encoder is None
+    finally:
+        codec._families.pop(family.name)
 
 
 def test_memoryview_of_other_formats_and_layouts():
@@ -923,8 +994,9 @@ def test_nested_extension_bodies_count_against_the_byte_budget():
     body = header([b"x" * 2**20])
     for _ in range(60):
         body = header(msgpack.ExtType(TUPLE, body))
-    with pytest.raises(zbus.CodecError, match="budget"):
+    with pytest.raises(zbus.CodecError) as e:
         decode([body])
+    assert str(e.value) == "decoding this message would exceed its byte budget (4x its size + 1 MiB)"
 
 
 def test_the_byte_budget_lets_real_messages_through():
@@ -1051,6 +1123,7 @@ WALKED_REFUSED = {
     "map count past the end": (walked(b"\xde\x00\x03\x01\x02\x03\x04"), "past"),
     "array16 cut in its count": (walked(b"\xdc\x00"), "past"),
     "empty extension body": (walked(b"\x92\xc7\x00\x01\x01"), "past"),
+    "a str past the end, then more": (walked(b"\x93\xd9\x05ab"), "truncated header"),
     "extension body of two items": (walked(b"\xd5\x01\x01\x02"), "wrong length"),
     "extension body too short": (walked(b"\xd6\x01\x01\x02"), "wrong length"),
 }
@@ -1066,7 +1139,7 @@ def test_the_header_walker_refuses_what_it_is_for_and_says_why(data, reason):
     header is not walked, and the deep nesting after it gets through;
     an extension's item count checked against the header's end, not its body's
     (``(inner_end < 0) or True``); ``+ pos`` for ``- pos``; the reasons' text
-    changed → fails."""
+    changed (``truncated header`` too) → fails."""
     with pytest.raises(zbus.CodecError) as e:
         decode([data])
     assert str(e.value) == WALKER_REASONS.get(reason, reason)

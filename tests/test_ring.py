@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from conftest import TEST_PATH, end_process, spawn_python, zbus_segments
+from conftest import TEST_PATH, end_process, own_segments, spawn_python, zbus_segments
 from ring_procs import end_message, make_message
 
 from zbus import shm
@@ -688,7 +688,8 @@ def test_a_segment_that_is_not_a_ring_is_refused():
 def test_each_end_waits_by_the_policy_it_was_given():
     """Sabotage: attach or ``__init__`` dropping the policy (``cls(seg, None, index)``,
     ``super().__init__(seg, None)``: the environment's instead), ``keep_polling``
-    setting anything but the polling time → fails."""
+    setting anything but the polling time; the spin loop's clock lost (``now =
+    None``: only a policy that spins, as on more than 2 cores, runs it) → fails."""
     writer_policy, reader_policy = WaitPolicy(0.001, 0.002, 0.3), WaitPolicy(0.004, 0.005, 0.6)
     writer = RingWriter.create(1, RingGeometry(256, 4), writer_policy)
     reader = RingReader.attach(writer.handle, 0, reader_policy)
@@ -696,7 +697,13 @@ def test_each_end_waits_by_the_policy_it_was_given():
         assert writer._policy == writer_policy and reader._policy == reader_policy
         reader.keep_polling(0.25)
         assert reader._policy == WaitPolicy(0.004, 0.25, 0.6)
-        writer.send([b"x"], timeout=1)
+        reader.keep_polling(0.0)
+        with pytest.raises(TimeoutError):  # spins, then sleeps, then times out
+            reader.recv(timeout=0.05)
+        for _ in range(4):
+            writer.send([b"x"], timeout=1)
+        with pytest.raises(TimeoutError):  # the writer spins on the full ring likewise
+            writer.send([b"y"], timeout=0.05)
         assert bytes(reader.recv(timeout=1)[0]) == b"x"
     finally:
         reader.close()
@@ -744,3 +751,237 @@ def test_buffer_pool_sizes_reuses_and_drops_its_buffers():
     del held
     small = pool.take(MIN)  # the one kept fits: reused, though far larger
     assert small.obj is pool._buffers[0]
+
+
+# --- the writer's end, in this process -------------------------------------------
+
+
+def test_frames_are_laid_out_as_the_format_says():
+    """``total | nframes | len * nframes | frames``, each frame 64-byte aligned, none
+    overlapping. Sabotage: the header counted as ``17 + 8 n`` or ``16 + 9 n``, the
+    alignment rounding ``+ _ALIGN + 1`` or ``- 2`` → fails."""
+    from zbus.ring import _layout
+
+    assert _layout([]) == ([], 16)
+    assert _layout([5]) == ([64], 69)
+    assert _layout([1, 0, 65, 64, 1, 1]) == ([64, 128, 128, 256, 320, 384], 385)
+    assert _layout([0] * 6) == ([64] * 6, 64)  # a 64-byte header
+    assert _layout([0] * 7) == ([128] * 7, 128)
+
+
+def test_frames_of_any_buffer_format_and_shape_go_through_as_bytes():
+    """bytes, bytearray, memoryviews of other formats and shapes, numpy arrays: each
+    frame arrives as its bytes, in one chunk or streamed. Sabotage: a memoryview
+    taken as it is when its format is not ``B`` (``!= "B"``, ``== "b"``) or it is
+    not 1-D (``ndim != 1``, ``== 2``) → the copy into the ring fails."""
+    import numpy as np
+
+    writer = RingWriter.create(1, RingGeometry(1024, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        for scale in (1, 64):  # in one chunk; streamed through the ring
+            raw = os.urandom(12 * scale)
+            frames = [raw, bytearray(raw), memoryview(raw), memoryview(raw).cast("b"),
+                      memoryview(raw).cast("i"), memoryview(raw).cast("B", (3, 4 * scale)),
+                      np.frombuffer(raw, np.int16).reshape(2, -1)]
+            got: list = []
+            t = threading.Thread(target=lambda got=got: got.append(reader.recv(timeout=10)))
+            t.start()
+            writer.send(frames, timeout=10)
+            t.join(10)
+            assert [bytes(f) for f in got[0]] == [raw] * len(frames)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_long_message_without_a_timeout_streams_through():
+    """Sabotage: a deadline computed from ``timeout=None`` (``(timeout is None) and
+    False``) → a message longer than a chunk fails to send."""
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    payload = os.urandom(10_000)
+    got = {}
+    try:
+        t = threading.Thread(target=lambda: got.setdefault("m", reader.recv(timeout=10)))
+        t.start()
+        writer.send([payload])
+        t.join(10)
+        assert [bytes(f) for f in got["m"]] == [payload]
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_detached_readers_do_not_hold_the_writer_and_live_ones_do():
+    """Sabotage: the detached flag read from another word (``off // 4 - 3``,
+    ``// 5``, ``+ 4``) → a detached reader holds the writer; ``break`` for
+    ``continue`` → the readers after a detached one are forgotten and their chunks
+    overwritten; with every reader detached, ``_min_read`` not the writer's own
+    count (``(best is None) and False``) → sends fail."""
+    writer = RingWriter.create(3, RingGeometry(256, 4))
+    readers = [RingReader.attach(writer.handle, i) for i in range(3)]
+    try:
+        readers[0].close()
+        for i in range(12):  # reader 0 gone: 1 and 2 keep up
+            writer.send([b"%d" % i], timeout=1)
+            for r in readers[1:]:
+                assert bytes(r.recv(timeout=1)[0]) == b"%d" % i
+        for i in range(4):  # reader 2 stops reading: the ring fills for it
+            writer.send([b"x%d" % i], timeout=1)
+            assert bytes(readers[1].recv(timeout=1)[0]) == b"x%d" % i
+        with pytest.raises(TimeoutError):
+            writer.send([b"over"], timeout=0.1)
+        assert [bytes(readers[2].recv(timeout=1)[0]) for _ in range(4)] == [b"x0", b"x1", b"x2", b"x3"]
+        readers[1].close()
+        readers[2].close()
+        for _ in range(12):  # no reader left: nothing holds the writer
+            writer.send([b"y"], timeout=1)
+    finally:
+        for r in readers:
+            r.close()
+        writer.close()
+
+
+def test_a_full_ring_wait_honours_timeout_cancel_and_on_full_and_says_what_was_queued():
+    """Both waits of a send, for the space a message cut earlier still needs and for
+    its own, end on the timeout (``SendTimeout`` saying whether it was queued),
+    the cancel event (``Cancelled``), and run ``on_full`` while they wait.
+    Sabotage: either flush without the deadline (hangs), the cancel (``None``, or
+    arguments shifted) or ``on_full``; the flag ``queued`` None or swapped; the
+    message ``None``, ``str(None)``, or the wait named other than ``send``; the
+    pending message dropped after each chunk (``self._pending = None``) → fails."""
+    from zbus.errors import SendTimeout
+
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    name = writer.name
+    fulls = []
+    try:
+        with pytest.raises(SendTimeout) as e:  # 8 chunks: 4 go in, then the ring is full
+            writer.send([os.urandom(2000)], timeout=0.1, on_full=lambda: fulls.append(1))
+        assert e.value.queued is True and str(e.value) == f"send timed out on ring {name}"
+        assert fulls, "on_full did not run while the writer waited"
+
+        fulls.clear()
+        with pytest.raises(SendTimeout) as e:  # the cut message first: it cannot go on
+            writer.send([b"next"], timeout=0.1, on_full=lambda: fulls.append(1))
+        assert e.value.queued is False and str(e.value) == f"send timed out on ring {name}"
+        assert fulls
+
+        cancel = threading.Event()
+        cancel.set()
+        t0 = time.monotonic()
+        with pytest.raises(Cancelled, match="^send cancelled$"):  # waiting for the cut one's room
+            writer.send([b"next"], timeout=5, cancel=cancel)
+        assert time.monotonic() - t0 < 2
+        for _ in range(8):  # the reader drains; the cut message is finished
+            try:
+                writer.flush(time.monotonic() + 0.05)
+            except TimeoutError:
+                pass
+            try:
+                reader.recv(timeout=0.05)
+                break
+            except TimeoutError:
+                pass
+        t0 = time.monotonic()
+        with pytest.raises(Cancelled, match="^send cancelled$"):  # waiting for its own room
+            writer.send([os.urandom(2000)], timeout=5, cancel=cancel)
+        assert time.monotonic() - t0 < 2
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_an_abort_ends_a_waiting_send_and_later_ones_and_says_so():
+    """Sabotage: ``RingClosed(None)`` for either → fails."""
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        threading.Timer(0.1, reader.abort).start()
+        with pytest.raises(RingClosed) as e:  # waiting on the full ring
+            writer.send([os.urandom(2000)], timeout=5)
+        assert str(e.value) == f"ring {writer.name} aborted"
+        with pytest.raises(RingClosed) as e:
+            writer.send([b"x"], timeout=1)
+        assert str(e.value) == f"ring {writer.name} is closed"
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_the_segment_layout_puts_each_reader_on_its_cache_lines_and_data_on_a_page():
+    """Sabotage: readers 65 bytes apart (``65 * r``), the data page rounded from
+    ``end + 4096`` → fails."""
+    from zbus.ring import _data_offset, _reader_off
+
+    assert [_reader_off(r) for r in range(4)] == [192, 256, 320, 384]
+    assert _data_offset(1) == 4096 and _data_offset(61) == 4096 and _data_offset(62) == 8192
+
+
+def test_a_ring_made_by_its_owner_is_attached_by_a_writer_elsewhere():
+    """The owner makes the ring (``ring.create``) and hands its handle, as a dict,
+    to the writer and the readers (the executor's reply rings). Sabotage: no
+    readers refused (the message changed), the handle's counts and sizes left out
+    (``None``), ``RingWriter.attach`` dropping a dict handle or the policy, the
+    writer's doorbell role (``None``, the default, changed) → fails."""
+    from zbus import ring
+
+    with pytest.raises(ValueError) as e:
+        ring.create(0, RingGeometry(256, 4))
+    assert str(e.value) == "a ring needs at least one reader"
+    geo, policy = RingGeometry(256, 4), WaitPolicy(0.0, 0.001, 0.2)
+    handle = ring.create(2, geo)
+    try:
+        assert handle == ring.RingHandle(handle.name, ring.segment_size(geo, 2), 2, 256, 4)
+        writer = RingWriter.attach(handle.to_dict(), policy)
+        try:
+            assert writer.handle == handle and writer._policy == policy
+            with pytest.raises(OSError, match=r"is the writer of this ring attached twice\?$"):
+                RingWriter.attach(handle)
+            readers = [RingReader.attach(handle.to_dict(), i) for i in range(2)]
+            writer.send([b"hello"], timeout=1)
+            assert [bytes(r.recv(timeout=1)[0]) for r in readers] == [b"hello", b"hello"]
+            for r in readers:
+                r.close()
+        finally:
+            writer.close(unlink=False)
+    finally:
+        shm.unlink(handle.name)
+
+
+def test_waiting_flags_are_lowered_when_a_wait_ends():
+    """A side raises its waiting flag only while it sleeps, so the other side rings
+    its doorbell only then. Sabotage: the flag left raised (``i[flag] = 1`` when
+    the wait ends) → fails."""
+    from zbus import ring
+
+    writer = RingWriter.create(1, RingGeometry(256, 2), WaitPolicy(0.0, 0.0, 0.5))
+    reader = RingReader.attach(writer.handle, 0, WaitPolicy(0.0, 0.0, 0.5))
+    try:
+        threading.Timer(0.1, writer.send, args=([b"a"],)).start()
+        assert bytes(reader.recv(timeout=5)[0]) == b"a"  # slept, then woken
+        assert writer._i[writer._reader_flags[0]] == 0
+        writer.send([b"b"], timeout=1)
+        writer.send([b"c"], timeout=1)
+        threading.Timer(0.1, reader.recv, kwargs={"timeout": 1}).start()
+        writer.send([b"d"], timeout=5)  # slept on the full ring, then woken
+        assert writer._i[ring._I_WWAIT] == 0
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_writer_that_fails_to_start_removes_the_ring_it_made():
+    """Sabotage: ``shm.unlink(None)`` on the way out → the segment is left."""
+
+    class Failing(RingWriter):
+        def __init__(self, seg, policy):
+            seg.close()
+            raise OSError("no start")
+
+    before = zbus_segments()
+    with pytest.raises(OSError, match="no start"):
+        Failing.create(1, RingGeometry(256, 4))
+    assert own_segments(zbus_segments() - before) == set()
