@@ -11,6 +11,7 @@ import subprocess
 import time
 
 import compose
+import psutil
 import pytest
 from conftest import TEST_PATH
 
@@ -132,6 +133,43 @@ def test_lost_node_raises_node_lost_within_the_limit(cluster, fault):
         while (node.pids() or node.shm_segments()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert node.pids() == [] and node.shm_segments() == [], node.name
+
+
+def test_a_death_report_lost_in_a_reset_connection_is_sent_again(cluster):
+    """A worker of node 2 is SIGKILLed inside a long call while node 2's link is
+    down, so its agent's ``died`` report waits in the kernel; then node 2's
+    connections to the leader are reset (``ss -K``), which throws the report
+    away, and the link comes back within the liveness limit. The node is alive
+    and heartbeating, so only the report can tell the leader: the call must fail
+    with ``WorkerDiedError`` naming that rank within the limit of the link's
+    return, not wait for the long call. Sabotage: the agent sends each death
+    once (no ``died`` again with the heartbeats) → the driver's call waits out
+    its 60 s sleep and gives no output in time."""
+    followers = start_followers(cluster)
+    proc = driver(cluster, "lost")
+    assert read_json(proc)["ready"]
+    node2 = cluster.nodes[2]
+    agent = psutil.Process(followers[1].pid)
+    deadline = time.monotonic() + 10
+    while len(agent.children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = sorted(agent.children(), key=lambda p: p.pid)[-1]
+    node2.link(up=False)
+    worker.kill()
+    worker.wait(10)
+    time.sleep(0.5)  # the agent saw the death and sent its report into the dead link
+    out = subprocess.run(["ip", "netns", "exec", node2.ns, "ss", "-K", "-t", "-n", "dst",
+                          cluster.nodes[0].address], capture_output=True, text=True, timeout=10,
+                         check=True).stdout
+    node2.link(up=True)
+    up = time.monotonic()
+    r = read_json(proc, timeout=LIVENESS * 3)
+    elapsed = time.monotonic() - up
+    print(f"death report lost in a reset ({out.count(cluster.nodes[0].address)} connections killed): "
+          f"{r['error']} {r['message']!r} {elapsed:.2f} s after the link came back (limit {LIVENESS} s)")
+    assert r["error"] == "WorkerDiedError" and "on node 2" in r["message"], r
+    assert elapsed < LIVENESS, elapsed
+    assert wait_exit([proc, *followers], 30) == [0, 0, 0]
 
 
 def test_link_cut_shorter_than_the_limit_loses_nothing(cluster):

@@ -147,6 +147,7 @@ class NodeAgent:
         self.ring: RingWriter | None = None
         self.workers: LocalWorkers | None = None
         self._deaths: list[tuple[int, int | None]] = []
+        self._dead: dict[int, int | None] = {}  # rank -> exit code, reported to the leader
         self._backlog: collections.deque = collections.deque()
         self._backlog_bytes = 0
         self._last_seq = 0  # calls start at 1, once every node joined
@@ -493,6 +494,8 @@ class NodeAgent:
             if self.node_rank is not None:
                 # with the last call relayed: the leader may forget its copies up to it
                 self._send(["hb", self.node_rank, self._last_seq], timeout=0.1)
+                for rank, code in self._dead.items():  # a report lost in a reset connection
+                    self._send(["died", self.node_rank, rank, code], timeout=0.1)
                 touch_health()
             self._next_hb = now + max(0.05, self.liveness_s / 5)
 
@@ -504,8 +507,10 @@ class NodeAgent:
         n = self.settings.nproc_per_node
         while self._deaths:
             local, code = self._deaths.pop(0)
-            log.error("worker rank %d exited (%s)", self.node_rank * n + local, code)
-            self._send(["died", self.node_rank, self.node_rank * n + local, code], timeout=1.0)
+            rank = self.node_rank * n + local
+            log.error("worker rank %d exited (%s)", rank, code)
+            self._dead[rank] = code  # and again with each heartbeat, until the leader fails
+            self._send(["died", self.node_rank, rank, code], timeout=1.0)
 
     # --- plumbing ------------------------------------------------------------------
 
