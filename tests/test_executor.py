@@ -79,6 +79,27 @@ def test_non_blocking_futures_complete_by_themselves(ex):
     assert [f.result(0) for f in futs] == [[10 * i, 10 * i + 1] for i in range(50)]
 
 
+def test_a_call_is_not_held_back_by_the_next_one(ex, monkeypatch):
+    """An engine's batch queue: call N (0.5 s) and call N+1 (2 s) are both sent,
+    and N's ``result()`` is asked for while the background completer is already
+    reading N's replies. ``result()`` must return when N is answered, not once
+    N+1 is answered too. Sabotage: the completer goes on to read N+1 while a
+    caller waits for the reply lock (as it did) → N's result takes 2.5 s, not
+    0.5 s (with the completer's reading slices as long as the calls; with its 50 ms
+    slices, by up to 50 ms, a step or more of an engine)."""
+    monkeypatch.setattr(ex._completer, "SLICE_S", 5.0)
+    first = ex.collective_rpc("sleep", args=(0.5,), non_block=True)
+    second = ex.collective_rpc("sleep", args=(2.0,), non_block=True)
+    time.sleep(0.1)  # past the completer's grace: it reads the first call's replies
+    t0 = time.monotonic()
+    first.result(timeout=10)
+    took = time.monotonic() - t0
+    print(f"result() of a 0.5 s call with a 2 s call behind it took {took:.2f} s")
+    assert not second.done()
+    assert took < 1.4, took
+    second.result(timeout=10)
+
+
 def test_polling_after_calls_is_bounded_and_calls_still_work():
     """``poll_after_call_s``: workers and the driver poll that long after each call
     before sleeping; a value past 1 s (a busy worker for good) is refused."""

@@ -476,7 +476,9 @@ class Completer:
     undone and no caller holds the reply lock (a caller blocked in ``result()``
     reads them itself, the faster path), in slices so that it never holds the lock
     for long. It leaves a new call to its caller for ``GRACE_S`` first: a caller
-    that asks at once (an engine's step) then waits one wake-up, not two."""
+    that asks at once (an engine's step) then waits one wake-up, not two. It hands
+    the lock over as soon as the call it reads is complete and a caller waits for
+    it: an engine waiting for step N must not also wait for step N+1."""
 
     SLICE_S = 0.05
     GRACE_S = 0.002
@@ -485,6 +487,7 @@ class Completer:
         self._executor = executor
         self._cond = threading.Condition()
         self._undone = 0
+        self._callers = 0  # callers waiting for the reply lock
         self._last_add = 0.0
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -506,6 +509,19 @@ class Completer:
         with self._cond:
             self._undone -= 1
 
+    def acquire_for_caller(self, lock: threading.Lock, timeout: float) -> bool:
+        """``lock.acquire(timeout)`` for a caller, which this thread then lets have it."""
+        if lock.acquire(blocking=False):
+            return True
+        with self._cond:
+            self._callers += 1
+        try:
+            return lock.acquire(timeout=timeout)
+        finally:
+            with self._cond:
+                self._callers -= 1
+                self._cond.notify()
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
@@ -517,9 +533,9 @@ class Completer:
         with self._cond:
             while not self._stopped:
                 grace = self._last_add + self.GRACE_S - time.monotonic()
-                if self._undone > 0 and grace <= 0:
+                if self._undone > 0 and grace <= 0 and not self._callers:
                     return True
-                self._cond.wait(grace if self._undone > 0 else None)
+                self._cond.wait(grace if self._undone > 0 and not self._callers else None)
             return False
 
     def _run(self) -> None:
@@ -528,7 +544,7 @@ class Completer:
             if not ex._recv_lock.acquire(timeout=self.SLICE_S):
                 continue
             try:
-                while self._undone > 0 and not self._stopped and ex._pending:
+                while self._undone > 0 and not self._stopped and ex._pending and not self._callers:
                     ex._complete_head(time.monotonic() + self.SLICE_S)
             except TimeoutError:
                 pass
@@ -779,7 +795,7 @@ class MultiprocExecutor(Executor):
 
     def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
         left = remaining(deadline, "collective_rpc")
-        if not self._recv_lock.acquire(timeout=-1 if left is None else left):
+        if not self._completer.acquire_for_caller(self._recv_lock, -1 if left is None else left):
             raise TimeoutError("collective_rpc timed out waiting for replies")
         try:
             while not future.done() and self._pending:
