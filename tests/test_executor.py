@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 import workers
-from conftest import end_process, live_children, spawn_python, wait_until, zbus_segments
+from conftest import end_process, live_children, own_segments, spawn_python, wait_until, zbus_segments
 from workers import EchoWorker
 
 import zbus
@@ -232,9 +232,12 @@ def test_worker_abort_is_reported():
 
 
 def test_startup_failure_raises_with_traceback_and_ends_every_process():
-    """Sabotage: a start-up failure that leaves the started workers running (no
-    ending of the workers on a failed start): the wait for the children fails."""
+    """A failed start raises with the worker's traceback, ends every worker and
+    removes the segments it made. Sabotage: no ``self.shutdown()`` on a failed
+    start in ``Executor.__init__``: the workers still end (the failure aborts the
+    rings), but the segments stay and the wait for them fails."""
     before = {p.pid for p in psutil.Process().children()}
+    segments = zbus_segments()
     with pytest.raises(zbus.StartupError, match="start-up failure on rank 1") as info:
         zbus.Executor(EchoWorker, nproc_per_node=2, worker_kwargs={"fail_rank": 1})
     assert "Traceback" in str(info.value)
@@ -244,6 +247,24 @@ def test_startup_failure_raises_with_traceback_and_ends_every_process():
         zbus.Executor("workers:NotAWorker", nproc_per_node=1)
     wait_until(lambda: {p.pid for p in live_children(psutil.Process())} <= before, 5,
                "the workers of the failed starts ended")
+    wait_until(lambda: not own_segments(zbus_segments() - segments), 5,
+               "the segments of the failed starts removed")
+
+
+def test_startup_timeout_ends_a_start_that_hangs():
+    """A worker whose start never ends: the executor gives up after its
+    ``startup_timeout`` (2 s) with a ``StartupError`` saying so, well before the
+    worker's 60 s, and ends the worker. Sabotage: no deadline on the wait for the
+    workers' READY (``deadline = deadline_of(None)`` in the executor's start):
+    the start waits out the worker's 60 s and succeeds."""
+    before = {p.pid for p in live_children(psutil.Process())}
+    t0 = time.monotonic()
+    with pytest.raises(zbus.StartupError, match=r"workers not ready within 2\.0 s"):
+        zbus.Executor(workers.SlowStartWorker, nproc_per_node=1, startup_timeout=2.0)
+    # 2 s, then the stuck worker is stopped (up to 5 s of grace, then SIGTERM)
+    assert time.monotonic() - t0 < 30
+    wait_until(lambda: {p.pid for p in live_children(psutil.Process())} <= before, 10,
+               "the stuck worker ended")
 
 
 def test_bad_arguments_are_clear_errors():

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -370,6 +371,21 @@ def test_no_lost_wakeup_bursts_with_idle_gaps():
     assert [r["digest"] for r in results] == [digest.hexdigest()] * 2
     print(f"worst wake-up latency over {count} messages: "
           f"{max(r['worst_latency'] for r in results) * 1e3:.1f} ms")
+
+
+def test_segments_are_private_to_their_user_and_never_taken_over(monkeypatch):
+    """A segment is made with mode 0600 and O_EXCL: only its user can attach, and
+    a name already in /dev/shm is an error, never reused. Sabotage: make segments
+    with mode 0o644 (the mode check fails) or without O_EXCL (the existing
+    segment is opened and truncated: no FileExistsError)."""
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    try:
+        assert stat.S_IMODE(os.stat(os.path.join(shm.SHM_DIR, writer.name)).st_mode) == 0o600
+        monkeypatch.setattr(shm, "new_name", lambda: writer.name)  # a name that is taken
+        with pytest.raises(FileExistsError):
+            shm.Segment.create(writer.handle.size)
+    finally:
+        writer.close()
 
 
 def test_segment_of_sigkilled_owner_is_swept():

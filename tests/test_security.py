@@ -449,8 +449,9 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     node 1 (rank 1): all dropped and counted as ``not-owner``; its own heartbeat,
     sent after them, is not (a stray ``refused`` sent last marks when the leader
     has read them all: one connection's messages are read in order); the cluster
-    serves on. Sabotage: make Leader._sent_by_owner return True (the forged "died"
-    then fails the executor with WorkerDiedError)."""
+    serves on. Sabotage: make Leader._sent_by_owner return True: fails (nothing
+    counted as ``not-owner``; the forged "died" fails the executor with
+    WorkerDiedError)."""
     from zbus.curve import NodeCurve
 
     keygen(str(tmp_path), nodes=2)

@@ -129,6 +129,13 @@ class NotAWorker:
     pass
 
 
+class SlowStartWorker(zbus.Worker):
+    """A start that hangs, as a worker stuck loading something."""
+
+    def __init__(self, seconds: float = 60.0):
+        time.sleep(seconds)
+
+
 class BrokenImportWorker(zbus.Worker):
     def __init__(self):
         import zbus_module_that_does_not_exist  # noqa: F401
