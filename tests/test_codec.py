@@ -1292,8 +1292,8 @@ def test_oversize_messages_refused():
 
 
 def test_frame_counts_outside_1_to_2_20_are_refused():
-    """Sabotage: no frame count check in ``decode`` (``_MAX_FRAMES`` raised): a
-    message of 2**20 + 1 frames is decoded."""
+    """Sabotage: ``_MAX_FRAMES = 1 << 21`` in zbus/codec.py: fails (another limit
+    named; a message of 2**20 + 1 frames let through)."""
     with pytest.raises(zbus.CodecError, match="1 to 1048576 frames, got 0"):
         decode([])
     with pytest.raises(zbus.CodecError, match="1 to 1048576 frames, got 1048577"):
