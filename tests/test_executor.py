@@ -169,7 +169,7 @@ def test_future_result_timeout_leaves_call_pending(ex):
 def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
     """Rank 1 is SIGKILLed once it is inside a 30 s call: the pending calls fail
     with ``WorkerDiedError`` within 1 s, later ones at once, and the failure
-    callbacks run. Sabotage: no pidfd watch of the workers (``LocalWorkers._watch``
+    callbacks run. Sabotage: no pidfd watch of the workers (the watcher thread
     returns at once): the call waits out its 10 s and raises ``TimeoutError``."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     failed = []
