@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
+
+from conftest import wait_until
 
 import zbus
 from zbus import ring
-
-
-def _wait_for(condition, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.01)
 
 
 def errors_of_callers_blocked_at_shutdown(ex: zbus.Executor) -> dict[str, BaseException | None]:
@@ -35,10 +29,10 @@ def errors_of_callers_blocked_at_shutdown(ex: zbus.Executor) -> dict[str, BaseEx
         return t
 
     threads = [call("receiving", "stubborn_sleep", args=(60,))]
-    _wait_for(lambda: len(ex._pending) == 1, "sent the sleep")
+    wait_until(lambda: len(ex._pending) == 1, 30, "the sleep sent")
     big = bytes(3 * ex._bcast.ring.chunk_bytes * ex._bcast.ring.n_chunks)
     threads.append(call("sending", "echo", args=(big,)))
-    _wait_for(lambda: ex._bcast.ring._i[ring._I_WWAIT] == 1, "blocked on the full ring")
+    wait_until(lambda: ex._bcast.ring._i[ring._I_WWAIT] == 1, 30, "the sender blocked on the full ring")
     threads.append(call("queued", "noop"))
     ex.shutdown()
     for t in threads:

@@ -110,6 +110,20 @@ def no_leftovers():
     assert not left, f"the tests left shared-memory segments: {sorted(left)}"
 
 
+def wait_until(condition, timeout: float, what: str, interval: float = 0.01):
+    """Poll ``condition()`` until it returns something true, and return that; fail
+    the test saying what never happened once ``timeout`` s have passed. Tests wait
+    with this for what another thread or process does, never by a plain sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(interval)
+
+
 def spawn_python(code: str, *args: str, **kwargs) -> psutil.Popen:
     """Start ``python -c code args`` with this checkout importable."""
     env = dict(os.environ, PYTHONPATH=TEST_PATH)

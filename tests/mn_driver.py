@@ -77,7 +77,8 @@ def blip() -> None:
     """Checksummed calls, 8 in flight, non-stop for 8 s while the test cuts a link
     briefly. Each worker takes 50 ms a call, so a call waits some 0.4 s for its
     answer: the calls handed over just before the cut are still in flight when it
-    takes effect. Reports the calls, the wrong replies, the error that ended them
+    takes effect. Says ``streaming`` once 8 calls are answered (the test cuts the
+    link after that). Reports the calls, the wrong replies, the error that ended them
     if one did, and when each call was handed over (``collective_rpc`` returned)
     and answered (its future done), by ``time.monotonic()``, which the test's
     process reads too."""
@@ -107,6 +108,8 @@ def blip() -> None:
                     continue
                 i, crc, fut = pending.popleft()
                 bad += sum(tuple(r) != (i, crc) for r in fut.result(timeout=30))
+                if i == 7:
+                    out(streaming=True)
         except (zbus.ZbusError, TimeoutError) as e:
             error = f"{type(e).__name__}: {e}"
         out(calls=len(sent), bad=bad, error=error, sent=sent, answered=answered)

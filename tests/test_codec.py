@@ -1291,6 +1291,47 @@ def test_oversize_messages_refused():
         decode([header("hello")], max_bytes=3)
 
 
+def test_frame_counts_outside_1_to_2_20_are_refused():
+    """Sabotage: ``_MAX_FRAMES = 1 << 21`` in zbus/codec.py: fails (another limit
+    named; a message of 2**20 + 1 frames let through)."""
+    with pytest.raises(zbus.CodecError, match="1 to 1048576 frames, got 0"):
+        decode([])
+    with pytest.raises(zbus.CodecError, match="1 to 1048576 frames, got 1048577"):
+        decode([header(None)] + [b""] * 2**20)
+
+
+def test_zbus_never_imports_pickle_or_calls_eval():
+    """Nothing in zbus imports a serializer that runs code (pickle and its kin) or
+    calls eval, exec or compile on its own. Sabotage: ``import pickle`` anywhere in
+    zbus/ fails it."""
+    import ast
+
+    banned_modules = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve",
+                      "jsonpickle"}
+    banned_calls = {"eval", "exec", "compile", "__import__"}
+    root = os.path.dirname(zbus.__file__)
+    found = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    modules = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    modules = [node.module or ""]
+                else:
+                    modules = []
+                found += [f"{path}: import {m}" for m in modules if m.split(".")[0] in banned_modules]
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                        and node.func.id in banned_calls:
+                    found.append(f"{path}:{node.lineno}: {node.func.id}()")
+    assert not found, found
+
+
 def test_import_zbus_does_not_import_torch():
     code = ("import sys, zbus, zbus.codec as c\n"
             "assert 'torch' not in sys.modules, 'import zbus imported torch'\n"

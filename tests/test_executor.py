@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 import workers
-from conftest import end_process, spawn_python, zbus_segments
+from conftest import end_process, live_children, own_segments, spawn_python, wait_until, zbus_segments
 from workers import EchoWorker
 
 import zbus
@@ -173,6 +173,8 @@ def test_timeout_then_late_replies_are_discarded(ex):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         ex.collective_rpc("sleep", args=(1.0,), timeout=0.3)
+    # the caller's own deadline: one thread wake-up in this process, 0.7 s of slack,
+    # and still below the 1 s a call that waits for the reply would take
     assert time.monotonic() - t0 < 1.0
     # the next call gets its own answer, not the late one of the timed-out call
     assert ex.collective_rpc("rank_value", args=(7,), timeout=10) == [70, 71]
@@ -185,19 +187,26 @@ def test_future_result_timeout_leaves_call_pending(ex):
     assert fut.result(timeout=10) == [0, 1]
 
 
-def test_worker_sigkill_mid_call_fails_pending_and_later_calls():
+def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
+    """Rank 1 is SIGKILLed once it is inside a 30 s call: the pending calls fail
+    with ``WorkerDiedError`` within 1 s, later ones at once, and the failure
+    callbacks run. Sabotage: no pidfd watch of the workers (the watcher thread
+    returns at once): the call waits out its 10 s and raises ``TimeoutError``."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     failed = []
     ex.register_failure_callback(lambda: failed.append(True))
     try:
-        pending = ex.collective_rpc("sleep", args=(30,), non_block=True)
+        mark = tmp_path / "in-call"
+        pending = ex.collective_rpc("sleep_marked", args=(str(mark), 30), non_block=True)
         pid = ex.collective_rpc("whoami", non_block=True)
         victim = psutil.Process(ex._workers.procs[1].pid)
-        time.sleep(0.2)
+        wait_until(lambda: os.path.exists(f"{mark}.1"), 30, "rank 1 inside the call")
         t0 = time.monotonic()
         victim.send_signal(signal.SIGKILL)
         with pytest.raises(zbus.WorkerDiedError) as info:
             pending.result(timeout=10)
+        # pidfd wakes the watcher thread at once, which wakes the caller: two thread
+        # wake-ups in this process, no process to start or schedule (measured: ms)
         assert time.monotonic() - t0 < 1.0
         assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
         assert isinstance(info.value, zbus.ExecutorFailedError)
@@ -206,7 +215,7 @@ def test_worker_sigkill_mid_call_fails_pending_and_later_calls():
         t0 = time.monotonic()
         with pytest.raises(zbus.WorkerDiedError):
             ex.collective_rpc("noop")
-        assert time.monotonic() - t0 < 0.1
+        assert time.monotonic() - t0 < 0.1  # no wait at all: the call checks the failure first
         with pytest.raises(zbus.WorkerDiedError):
             ex.check_health()
         deadline = time.monotonic() + 1.0  # the callback runs right after waiters are woken
@@ -244,7 +253,12 @@ def test_worker_abort_is_reported():
 
 
 def test_startup_failure_raises_with_traceback_and_ends_every_process():
+    """A failed start raises with the worker's traceback, ends every worker and
+    removes the segments it made. Sabotage: no ``self.shutdown()`` on a failed
+    start in ``Executor.__init__``: the workers still end (the failure aborts the
+    rings), but the segments stay and the wait for them fails."""
     before = {p.pid for p in psutil.Process().children()}
+    segments = zbus_segments()
     with pytest.raises(zbus.StartupError, match="start-up failure on rank 1") as info:
         zbus.Executor(EchoWorker, nproc_per_node=2, worker_kwargs={"fail_rank": 1})
     assert "Traceback" in str(info.value)
@@ -252,8 +266,26 @@ def test_startup_failure_raises_with_traceback_and_ends_every_process():
         zbus.Executor(workers.BrokenImportWorker, nproc_per_node=1)
     with pytest.raises(zbus.StartupError, match="not a zbus.Worker"):
         zbus.Executor("workers:NotAWorker", nproc_per_node=1)
-    time.sleep(0.2)
-    assert {p.pid for p in psutil.Process().children()} <= before
+    wait_until(lambda: {p.pid for p in live_children(psutil.Process())} <= before, 5,
+               "the workers of the failed starts ended")
+    wait_until(lambda: not own_segments(zbus_segments() - segments), 5,
+               "the segments of the failed starts removed")
+
+
+def test_startup_timeout_ends_a_start_that_hangs():
+    """A worker whose start never ends: the executor gives up after its
+    ``startup_timeout`` (2 s) with a ``StartupError`` saying so, well before the
+    worker's 60 s, and ends the worker. Sabotage: no deadline on the wait for the
+    workers' READY (``deadline = deadline_of(None)`` in the executor's start):
+    the start waits out the worker's 60 s and succeeds."""
+    before = {p.pid for p in live_children(psutil.Process())}
+    t0 = time.monotonic()
+    with pytest.raises(zbus.StartupError, match=r"workers not ready within 2\.0 s"):
+        zbus.Executor(workers.SlowStartWorker, nproc_per_node=1, startup_timeout=2.0)
+    # 2 s, then the stuck worker is stopped (up to 5 s of grace, then SIGTERM)
+    assert time.monotonic() - t0 < 30
+    wait_until(lambda: {p.pid for p in live_children(psutil.Process())} <= before, 10,
+               "the stuck worker ended")
 
 
 def test_bad_arguments_are_clear_errors():

@@ -176,17 +176,18 @@ def test_link_cut_shorter_than_the_limit_loses_nothing(cluster):
     """Node 2's link is down for 1 s (the limit is 3 s) while checksummed calls
     stream, 8 in flight: every call is answered right, none fails, and at least
     one was handed over before the cut and answered only after the link came
-    back, so calls did cross the cut. Sabotage: make ``Leader._check_liveness``
+    back, so calls did cross the cut. The link goes down once the driver says its
+    calls stream (8 answered). Sabotage: make ``Leader._check_liveness``
     give a node ``liveness_s / 4`` → fails with the driver's real error
     ("NodeLostError: node 2 (node2) lost: no heartbeat for 0.9 s"; the old driver
     died without output)."""
     followers = start_followers(cluster)
     proc = driver(cluster, "blip")
     assert read_json(proc)["ready"]
-    time.sleep(1.0)
+    assert read_json(proc, timeout=30)["streaming"]
     down = time.monotonic()
     cluster.nodes[2].link(up=False)
-    time.sleep(LIVENESS / 3)  # 1 s down, the limit is 3 s
+    time.sleep(LIVENESS / 3)  # the cut under test: 1 s down, the limit is 3 s
     cluster.nodes[2].link(up=True)
     up = time.monotonic()
     r = read_json(proc, timeout=60)
@@ -286,7 +287,7 @@ def test_calls_lost_in_a_reset_connection_are_sent_again(cluster, case):
     leader_ip, node2 = cluster.nodes[0].address, cluster.nodes[2]
     killed = 0
     for _ in range(5):
-        time.sleep(0.5)
+        time.sleep(0.5)  # the spacing of the resets (each meets the calls streaming), not a wait
         out = subprocess.run(["ip", "netns", "exec", node2.ns, "ss", "-K", "-t", "-n", "dst", leader_ip,
                               *match], capture_output=True, text=True, timeout=10, check=True).stdout
         killed += sum(leader_ip in line for line in out.splitlines())

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import workers
 import zmq
-from conftest import end_process
+from conftest import end_process, wait_until
 from test_cluster import follower, free_port_pair
 
 import zbus
@@ -333,11 +333,12 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     push.setsockopt(zmq.LINGER, 0)
     push.connect(f"tcp://127.0.0.1:{port + 1}")
     stop = threading.Event()
-    fuzz = {"sent": 0, "error": None}
+    fuzz = {"tries": 0, "sent": 0, "error": None}
 
     def run_fuzz():
         try:
             while not stop.is_set():
+                fuzz["tries"] += 1
                 try:
                     push.send_multipart(message(), zmq.NOBLOCK)
                     fuzz["sent"] += 1
@@ -350,7 +351,7 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     t.start()
     proc = None
     try:
-        time.sleep(0.5)
+        wait_until(lambda: fuzz["tries"] > 0 or fuzz["error"], 30, "the fuzz thread sending")
         proc = follower(port, "--node-rank", "1")
         with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
                            master_port=port, join_timeout=60) as ex:
@@ -425,15 +426,15 @@ def forge(port: int, curve, messages: list) -> None:
     from zbus.queues import send_frames
 
     ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
     try:
-        push = ctx.socket(zmq.PUSH)
         curve.client(push)
         push.connect(f"tcp://127.0.0.1:{port + 1}")
         for msg in messages:
             send_frames(push, codec.encode(msg), time.monotonic() + 10, "forge")
-        time.sleep(0.5)  # linger: let them leave before the context goes
     finally:
-        ctx.destroy(linger=1000)
+        push.close(linger=10000)  # term() returns once they have left (10 s at most)
+        ctx.term()
 
 
 def wait_dropped(ex, at_least: int, timeout: float = 20) -> int:
@@ -445,9 +446,12 @@ def wait_dropped(ex, at_least: int, timeout: float = 20) -> int:
 
 def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     """Node 2's key sends a reply, a death notice, a heartbeat and a gap report for
-    node 1 (rank 1): all dropped and counted; its own heartbeat is not; the cluster
-    serves on. Sabotage: make Leader._sent_by_owner return True (the forged "died"
-    then fails the executor with WorkerDiedError)."""
+    node 1 (rank 1): all dropped and counted as ``not-owner``; its own heartbeat,
+    sent after them, is not (a stray ``refused`` sent last marks when the leader
+    has read them all: one connection's messages are read in order); the cluster
+    serves on. Sabotage: make Leader._sent_by_owner return True: fails (nothing
+    counted as ``not-owner``; the forged "died" fails the executor with
+    WorkerDiedError)."""
     from zbus.curve import NodeCurve
 
     keygen(str(tmp_path), nodes=2)
@@ -458,12 +462,15 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
         with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
                            master_port=port, curve_dir=str(tmp_path / "leader"), join_timeout=60) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
-            before = ex._leader.dropped
+            before = ex._leader.dropped_by
             forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
-                  [[1, 10**6, 0, "forged"], ["died", 1, 1, 9], ["hb", 1], ["gap", 1, 1, 5], ["hb", 2]])
-            assert wait_dropped(ex, before + 4) == before + 4
-            time.sleep(0.5)
-            assert ex._leader.dropped == before + 4  # node 2's own heartbeat was taken
+                  [[1, 10**6, 0, "forged"], ["died", 1, 1, 9], ["hb", 1], ["gap", 1, 1, 5], ["hb", 2],
+                   ["refused", "no-such-node", "a marker"]])
+            wait_until(lambda: ex._leader.dropped_by.get("stray-refused", 0) > before.get("stray-refused", 0),
+                       20, "the marker after the forged messages counted")
+            after = ex._leader.dropped_by
+            assert {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)} == {
+                "not-owner": 4, "stray-refused": 1}, after  # node 2's own heartbeat was taken
             ex.check_health()
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
         assert [p.wait(30) for p in procs] == [0, 0]

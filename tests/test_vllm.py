@@ -155,8 +155,11 @@ def test_the_engine_configuration_round_trips(wire):
 
 
 def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
-    """Code never travels, and a name is looked up, never imported. Sabotage: a
-    build that imports the module a name gives."""
+    """Code never travels, and a name is looked up, never imported; what the family
+    remembers per name holds allowed names only. Sabotage: a build that imports
+    the module a name gives. Or remember every name received, refused ones too
+    (``self._builders[name] = None`` before ``_builder`` in ``VllmTypes.build``):
+    100 refused names grow the memory by 100."""
     import msgpack
     from vllm.v1.core.sched.output import KVConnectorBlockState
 

@@ -60,6 +60,13 @@ class EchoWorker(zbus.Worker):
             time.sleep(seconds)
         return self.rank
 
+    def sleep_marked(self, path, seconds):
+        """Make ``path.<rank>`` (so a test sees the call has begun), then sleep."""
+        with open(f"{path}.{self.rank}", "w"):
+            pass
+        time.sleep(seconds)
+        return self.rank
+
     def stubborn_sleep(self, seconds):
         """Sleep deaf to SIGTERM, as a worker stuck in native code: it ends by SIGKILL,
         without closing its rings."""
@@ -120,6 +127,13 @@ class DistWorker(zbus.Worker):
 
 class NotAWorker:
     pass
+
+
+class SlowStartWorker(zbus.Worker):
+    """A start that hangs, as a worker stuck loading something."""
+
+    def __init__(self, seconds: float = 60.0):
+        time.sleep(seconds)
 
 
 class BrokenImportWorker(zbus.Worker):
