@@ -49,6 +49,7 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
+from .failure import Failure
 from .metrics import Metrics
 from .queues import Broadcaster, bind, deadline_of, remaining, send_frames
 
@@ -419,7 +420,7 @@ class Leader:
     socket). The XPUB socket is shared under ``xpub_lock``."""
 
     def __init__(self, settings: ClusterSettings, broadcaster_factory: Callable[..., Broadcaster],
-                 on_failure: Callable[[Exception], None], curve_dir: str | None = None,
+                 failure: Failure | None = None, curve_dir: str | None = None,
                  metrics: Metrics | None = None, status: Callable[[], dict] | None = None,
                  secret: bytes | None = None, insecure: bool = False):
         self.settings = settings
@@ -463,9 +464,8 @@ class Leader:
         self.nodes: dict[int, NodeInfo] = {}
         self.cond = threading.Condition()
         self.receivers: dict[int, RemoteReceiver] = {}
-        self._on_failure = on_failure
-        self.failure: Exception | None = None
-        self._told_failure = False  # the nodes were sent ``failed``
+        # the executor's own (one failure state: see zbus.failure); a leader alone makes one
+        self.failure = failure if failure is not None else Failure()
         self.sent_seq = 0  # the last call number queued for the nodes
         self._kept: collections.deque = collections.deque()  # (seq, frames, bytes) of calls a node may lack
         self._kept_bytes = 0
@@ -482,6 +482,7 @@ class Leader:
         self.metrics = metrics or Metrics()
         self._last_drop_log, self._drops_logged = 0.0, 0
         self._status = status
+        self.failure.on_failure(self._on_failure)
         (log.info if self.curve else log.warning)(
             "zbus leader on %s:%d-%d: links are %s", self.bind_ip, settings.master_port,
             settings.master_port + 1, describe(self.curve))
@@ -507,8 +508,7 @@ class Leader:
                 if on_join is not None and len(self.nodes) != seen:
                     seen = len(self.nodes)
                     on_join(seen + 1, want + 1)
-                if self.failure is not None:
-                    raise self.failure
+                self.failure.raise_if_failed()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(1, self.settings.nnodes)) - set(self.nodes))
@@ -588,10 +588,7 @@ class Leader:
         except ZbusError as e:
             log.error("refused node %s: %s", info.get("host", "?"), e)
             self._send(node_topic(node_id), ["reject", str(e)], timeout=1.0)
-            with self.cond:
-                if self.failure is None:
-                    self.failure = ZbusError(f"node {info.get('host', '?')} refused: {e}")
-                self.cond.notify_all()
+            self.failure.fail(ExecutorFailedError(f"node {info.get('host', '?')} refused: {e}"))
             return
         node = NodeInfo(node_rank, node_id, info["host"], info["address"], info["nproc"], info["pid"],
                         time.monotonic())
@@ -614,7 +611,7 @@ class Leader:
         if node is None:
             self.metrics.dropped(reason="stray-refused")
             return
-        self._fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
+        self.failure.fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
                                        f"workers: {brief(reason)}"))
 
     def _on_subscribed(self, node_id: Any) -> None:
@@ -738,29 +735,30 @@ class Leader:
         """The I/O thread: heartbeats and liveness, subscriptions while the cluster
         forms (the XPUB socket is then only ours), the messages a caller left to
         it, and the PULL socket whenever no caller has wanted it for a while."""
-        next_hb = 0.0
+        next_hb, told = 0.0, False  # told: the nodes were sent ``failed``
         while not self._stop.is_set():
             try:
-                next_hb = self._step(next_hb)
+                next_hb, told = self._step(next_hb, told)
             except zmq.ZMQError as e:
                 if not self._stop.is_set():
-                    self._fail(ExecutorFailedError(f"leader I/O failed: {e}"))
+                    self.failure.fail(ExecutorFailedError(f"leader I/O failed: {e}"))
                 return
             except Exception as e:  # noqa: BLE001 - nothing a peer sends may stop heartbeats
                 self._drop(f"a message that broke the I/O loop: {type(e).__name__}: {brief(str(e))}",
                            "io-loop")
                 self._stop.wait(0.05)  # no busy loop if it happens again at once
 
-    def _step(self, next_hb: float) -> float:
-        """One turn of the I/O loop; the time of the next heartbeat."""
+    def _step(self, next_hb: float, told: bool) -> tuple[float, bool]:
+        """One turn of the I/O loop; the time of the next heartbeat, and whether the
+        nodes were told of the failure (at once, not at the next heartbeat)."""
         s = self.settings
         now = time.monotonic()
-        tell = self.failure is not None and not self._told_failure
-        if now >= next_hb or tell:
+        error = self.failure.error
+        if now >= next_hb or (error is not None and not told):
             # a failed executor says so instead of heartbeating: its nodes free their GPUs
-            hb = ["hb", self.sent_seq] if self.failure is None else ["failed", brief(str(self.failure))]
+            hb = ["hb", self.sent_seq] if error is None else ["failed", brief(str(error))]
             if self._send(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
-                self._told_failure = self.failure is not None
+                told = error is not None
             else:
                 log.warning("heartbeat not sent: a node is not taking messages")
             next_hb = time.monotonic() + s.heartbeat_s
@@ -788,7 +786,7 @@ class Leader:
                 self.pull_lock.release()
             with self.cond:
                 self.cond.notify_all()  # a caller that waited for the socket may take it
-        return next_hb
+        return next_hb, told
 
     def pump(self, timeout: float) -> bool:
         """Read the PULL socket in this thread for up to ``timeout`` seconds (until
@@ -856,13 +854,6 @@ class Leader:
         finally:
             self.xpub_lock.release()
 
-    def _fail(self, error: Exception) -> None:
-        with self.cond:
-            if self.failure is None:
-                self.failure = error
-            self.cond.notify_all()
-        self._on_failure(error)
-
     def _dispatch(self, msg: Any) -> None:
         if msg is None:
             return
@@ -893,7 +884,7 @@ class Leader:
         elif kind == "died" and len(msg) == 4 and type(msg[1]) is type(msg[2]) is int \
                 and type(msg[3]) in (int, type(None)) and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
-            self._fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
+            self.failure.fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
         elif kind == "join" and len(msg) == 3:
             self._on_join(msg[1], msg[2])
         elif kind == "subscribed" and len(msg) == 2 and type(msg[1]) is str:
@@ -904,7 +895,7 @@ class Leader:
                 log.warning("node %d (%s) missed calls %s to %s: sent again", node.node_rank, node.host,
                             brief(msg[2]), brief(msg[3]))
             else:
-                self._fail(NodeLostError(node.node_rank, node.host,
+                self.failure.fail(NodeLostError(node.node_rank, node.host,
                                          f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
         elif kind == "refused" and len(msg) == 3:
             self._on_refused(msg[1], msg[2])
@@ -932,7 +923,7 @@ class Leader:
     def _check_liveness(self, now: float) -> None:
         for node in self.nodes.values():
             if now - node.last_seen > self.settings.liveness_s:
-                self._fail(NodeLostError(
+                self.failure.fail(NodeLostError(
                     node.node_rank, node.host, f"no heartbeat for {now - node.last_seen:.1f} s"))
                 return
 
@@ -1042,12 +1033,10 @@ class Leader:
         for r in list(self.receivers.values()):  # the I/O thread may be adding one
             r.abort()
 
-    def external_failure(self, error: Exception) -> None:
-        """The executor failed (a local worker died, say): stop waiting for nodes
-        and for replies."""
+    def _on_failure(self, _error: Exception) -> None:
+        """Failed (here or in the executor: a local worker died, say): stop waiting
+        for nodes and for replies."""
         with self.cond:
-            if self.failure is None:
-                self.failure = error
             self.cond.notify_all()
         self._wake.set()  # the I/O thread tells the nodes
         self.abort_receivers()

@@ -36,6 +36,7 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
+from .failure import Failure
 from .metrics import Metrics, serve_prometheus
 from .queues import Broadcaster, ShmReceiver, deadline_of, remaining
 from .worker import Worker, import_object
@@ -179,9 +180,8 @@ class Executor:
         self.allow_import_calls = allow_import_calls
         self.extra_env = dict(env or {})
         self.poll_after_call_s = poll_after_call_s
-        self._failure: ExecutorFailedError | None = None
+        self.failure = Failure()  # shared with the leader: one error for every path
         self.metrics = Metrics()
-        self._callbacks: list[Callable[[], None]] = []
         self._state_lock = threading.Lock()
         self._closed = False
 
@@ -199,7 +199,7 @@ class Executor:
     def status(self) -> dict[str, Any]:
         """What ``zbus status`` shows: world size, nodes, RPC counts and latency."""
         return {"world_size": self.world_size, "output_rank": self.output_rank,
-                "failed": str(self._failure) if self._failure else None,
+                "failed": str(self.failure.error) if self.failure.error else None,
                 "nodes": self._nodes_status(), **self.metrics.snapshot()}
 
     def _nodes_status(self) -> list[dict[str, Any]]:
@@ -209,16 +209,11 @@ class Executor:
 
     def check_health(self) -> None:
         """Raise the executor's failure if it failed; else return None."""
-        if self._failure is not None:
-            raise self._failure
+        self.failure.raise_if_failed()
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once when the executor fails (at once if it has)."""
-        with self._state_lock:
-            if self._failure is None:
-                self._callbacks.append(callback)
-                return
-        callback()
+        self.failure.on_failure(lambda _error: callback())
 
     def shutdown(self) -> None:
         raise NotImplementedError
@@ -238,30 +233,11 @@ class Executor:
 
     # --- shared machinery ---------------------------------------------------------
 
-    def _fail(self, error: ExecutorFailedError) -> None:
-        """Mark the executor failed (first error wins) and run the callbacks."""
-        with self._state_lock:
-            if self._failure is not None or self._closed:  # exits are expected once closing
-                return
-            self._failure = error
-            callbacks, self._callbacks = self._callbacks, []
-        log.error("executor failed: %s", error)
-        self._on_failure(error)
-        for cb in callbacks:
-            try:
-                cb()
-            except Exception:  # noqa: BLE001
-                log.exception("failure callback raised")
-
-    def _on_failure(self, error: ExecutorFailedError) -> None:
-        pass
-
     def _check_call(self, method: str | Callable, unique_reply_rank: int | None) -> str:
         """The method's wire name, once the executor may take the call."""
         if self._closed:
             raise ZbusError("executor is shut down")
-        if self._failure is not None:
-            raise self._failure
+        self.failure.raise_if_failed()
         method = method_name(method)
         if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
             raise ValueError(f"unique_reply_rank {unique_reply_rank} outside 0..{self.world_size - 1}")
@@ -322,6 +298,7 @@ class InprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._closed = True
+        self.failure.close()
 
 
 def reserve_port(host: str) -> int:
@@ -535,7 +512,7 @@ class Completer:
             except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
                 if not isinstance(e, ExecutorFailedError):
                     e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
-                ex._fail(e)
+                ex.failure.fail(e)
                 return  # every pending future now holds the error (see _on_failure)
             finally:
                 ex._recv_lock.release()
@@ -582,12 +559,12 @@ class MultiprocExecutor(Executor):
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._completer = Completer(self)
-        self._failed = threading.Event()
         self._bcast: Broadcaster | None = None
         self._leader: Leader | None = None
         self._resp_handles: list[ring.RingHandle] = []
         self._receivers: list[Any] = []
         self._workers: LocalWorkers | None = None
+        self.failure.on_failure(self._on_failure)  # first: before the leader's and the user's
         try:
             self._start()
         except BaseException:
@@ -598,7 +575,7 @@ class MultiprocExecutor(Executor):
         shm.sweep_stale()
         n, s = self.nproc_per_node, self.settings
         if self.nnodes > 1:
-            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail, self.curve_dir,
+            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self.failure, self.curve_dir,
                                   self.metrics, self.status, secret=self.secret, insecure=self.insecure)
             self._bcast = self._leader.bcast
             torch_port = reserve_port(self._leader.bind_ip)
@@ -633,7 +610,8 @@ class MultiprocExecutor(Executor):
                                        self.on_join)
                 except (TimeoutError, ZbusError) as e:
                     # a local worker that failed tells why in its ring; else the leader's reason
-                    raise StartupError(self._startup_failure() if self._failure else str(e)) from None
+                    died = isinstance(self.failure.error, WorkerDiedError)
+                    raise StartupError(self._startup_failure() if died else str(e)) from None
                 self._receivers += [self._leader.receivers[r] for r in range(n, self.world_size)]
                 deadline = deadline_of(self.startup_timeout)
             for rank in range(self.world_size):
@@ -667,7 +645,7 @@ class MultiprocExecutor(Executor):
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
-        return f"a worker died during start-up: {self._failure}"
+        return f"a worker died during start-up: {self.failure.error}"
 
     def _nodes_status(self) -> list[dict[str, Any]]:
         n = self.nproc_per_node
@@ -694,17 +672,15 @@ class MultiprocExecutor(Executor):
             raise StartupError(f"worker rank {rank} failed to start:\n{detail}")
 
     def _worker_died(self, local_rank: int, exitcode: int | None) -> None:
-        self._fail(WorkerDiedError(local_rank, exitcode))
+        self.failure.fail(WorkerDiedError(local_rank, exitcode))
 
-    def _on_failure(self, error: ExecutorFailedError) -> None:
+    def _on_failure(self, error: Exception) -> None:
         # Wake every blocked wait; they raise RingClosed or Cancelled -> the error.
-        self._failed.set()
+        # (The leader wakes its own: it shares the failure.)
         if self._bcast is not None and self._bcast.ring is not None:
             self._bcast.ring.abort()
         for rx in self._receivers:
             rx.abort()
-        if self._leader is not None:
-            self._leader.external_failure(error)
         for fut in list(self._pending):
             try:
                 fut.set_exception(error)
@@ -740,7 +716,7 @@ class MultiprocExecutor(Executor):
                     self._seq -= 1
                 raise TimeoutError(f"collective_rpc({method!r}) timed out sending: {e}") from None
             except (RingClosed, Cancelled):
-                raise self._failure or ZbusError("executor is shut down") from None
+                raise self.failure.error or ZbusError("executor is shut down") from None
         finally:
             self._send_lock.release()
         if non_block:
@@ -757,7 +733,8 @@ class MultiprocExecutor(Executor):
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
         queued = (lambda: self._leader.sent(self._seq, frames)) if self._leader is not None else None
-        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock, queued)
+        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self.failure.cancel, lock,
+                                   queued)
 
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets
@@ -795,7 +772,7 @@ class MultiprocExecutor(Executor):
             try:
                 reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"), want=head.seq)
             except RingClosed:
-                raise self._failure or ZbusError("executor is shut down") from None
+                raise self.failure.error or ZbusError("executor is shut down") from None
             except CodecError as e:  # consumed but not decodable here: the caller gets why
                 reply = [rank, head.seq, protocol.RAISED,
                          codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]
@@ -812,7 +789,7 @@ class MultiprocExecutor(Executor):
         if not (type(reply) is list and len(reply) == 4 and reply[0] == rank and reply[1] == head.seq):
             error = ExecutorFailedError(f"protocol error: expected the reply to call {head.seq} from "
                                         f"rank {rank}, got {str(reply)[:200]}")
-            self._fail(error)
+            self.failure.fail(error)
             raise error
         head.replies[rank] = (reply[2], reply[3])
 
@@ -826,6 +803,7 @@ class MultiprocExecutor(Executor):
             if self._closed:
                 return
             self._closed = True
+        self.failure.close()  # exits from now on are expected
         self._completer.stop()
         # Names first: every process mapped them at start, and a driver killed while
         # it waits for its workers below must not leave a name behind.
@@ -835,7 +813,7 @@ class MultiprocExecutor(Executor):
             shm.unlink(h.name)
         sending = self._send_lock.acquire(timeout=1.0)
         if not sending:  # a caller is blocked sending: cancel it, it raises ZbusError
-            self._failed.set()
+            self.failure.cancel_waits()
             sending = self._send_lock.acquire(timeout=5.0)
         try:  # holding the send lock: no new call starts (callers re-check _closed)
             self._stop_workers(sending)
@@ -860,15 +838,15 @@ class MultiprocExecutor(Executor):
         if can_send:
             try:
                 stop = codec.encode([protocol.STOP])
-                if self._failure is None:
+                if self.failure.error is None:
                     self._publish(stop, deadline_of(1.0))
                 elif self._leader is not None:
                     self._leader.publish_remote(stop, deadline_of(1.0))
             except (TimeoutError, RingClosed, Cancelled):
                 pass
-        if self._leader is not None and self._failure is None:
+        if self._leader is not None and self.failure.error is None:
             self._leader.say_bye()  # the nodes are done: none waits on our own workers' stop
-        workers.stop(grace=5.0 if self._failure is None else 0.5)
+        workers.stop(grace=5.0 if self.failure.error is None else 0.5)
 
     def _wake_callers(self) -> None:
         """Fail the pending calls and wake every blocked wait: a send is cancelled,
@@ -876,10 +854,10 @@ class MultiprocExecutor(Executor):
         error = ZbusError("executor is shut down")
         for fut in list(self._pending):
             try:
-                fut.set_exception(self._failure or error)
+                fut.set_exception(self.failure.error or error)
             except concurrent.futures.InvalidStateError:
                 pass
-        self._failed.set()
+        self.failure.cancel_waits()
         for rx in self._receivers:
             rx.abort()
         if self._leader is not None:
