@@ -40,7 +40,7 @@ from .cluster import (
 from .config import MAX_POLL_S, WaitPolicy
 from .curve import NodeCurve, curve_dir_from_env, secret_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
-from .executor import LocalWorkers
+from .processes import LocalWorkers
 from .queues import send_frames
 from .ring import RingWriter
 
