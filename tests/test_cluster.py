@@ -224,7 +224,8 @@ def test_explicit_settings_win_over_defaults_and_bad_ones_are_refused(monkeypatc
 JOIN_AND_HANG = """
 import sys, time, zmq
 from zbus import codec
-from zbus.cluster import PROTOCOL_VERSION, TOPIC_HEARTBEAT, TOPIC_RPC, node_topic
+from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, node_topic
+from zbus.protocol import PROTOCOL_VERSION
 port, node_id = int(sys.argv[1]), "e" * 16
 ctx = zmq.Context()
 sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)

@@ -18,6 +18,7 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
+from .protocol import PROTOCOL_VERSION
 from .worker import Worker
 
 if TYPE_CHECKING:
@@ -41,10 +42,10 @@ def __dir__() -> list[str]:
 
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 2
 
 __all__ = [
-    "Cancelled", "CodecError", "Executor", "ExecutorFailedError", "NodeLostError", "RemoteError",
+    "PROTOCOL_VERSION", "Cancelled", "CodecError", "Executor", "ExecutorFailedError", "NodeLostError",
+    "RemoteError",
     "RingClosed", "RpcFuture", "ShmSpaceError", "StartupError", "Worker", "WorkerDiedError",
     "ZbusError", "__version__",
 ]

@@ -51,11 +51,10 @@ from .errors import (
 )
 from .failure import Failure
 from .metrics import Metrics
-from .queues import Broadcaster, bind, deadline_of, remaining, send_frames
+from .queues import Broadcaster, bind, bracket, deadline_of, remaining, send_frames, send_message
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: calls say which replies the driver has; heartbeats name the last call relayed
 TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
 # so a node's answer proves both subscriptions are in place at the leader.
@@ -164,7 +163,12 @@ class ClusterSettings:
 
     @property
     def heartbeat_s(self) -> float:
-        return max(0.05, self.liveness_s / 5)
+        return heartbeat_interval(self.liveness_s)
+
+
+def heartbeat_interval(liveness_s: float) -> float:
+    """How often the leader and each agent heartbeat: five beats to a liveness limit."""
+    return max(0.05, liveness_s / 5)
 
 
 def touch_health() -> None:
@@ -542,7 +546,7 @@ class Leader:
         log.debug("join from %s (%s)", info.get("host"), node_id)
         if self.formed:
             log.error("refused a join from %s: the cluster is formed", info.get("host", "?"))
-            self._send(node_topic(node_id), ["reject", "the cluster is already formed"], timeout=1.0)
+            self._send_control(node_topic(node_id), ["reject", "the cluster is already formed"], timeout=1.0)
             return
         if len(self._joins) >= MAX_PENDING_JOINS and node_id not in self._joins:
             # A flood of joins from nodes that never subscribe: forget the oldest. A real
@@ -578,7 +582,7 @@ class Leader:
                 del self._probing[node_id]
                 log.warning("node %s (rank %d) never answered the probes within %.1f s: dropped",
                             node.host, node.node_rank, self.settings.liveness_s)
-                self._send(node_topic(node_id), ["dropped", "no answer to the probes in time"], 0.1)
+                self._send_control(node_topic(node_id), ["dropped", "no answer to the probes in time"], 0.1)
         self._welcome_ready()
 
     def _welcome(self, node_id: str, info: dict) -> None:
@@ -587,7 +591,7 @@ class Leader:
             node_rank = self._check_join(info)
         except ZbusError as e:
             log.error("refused node %s: %s", info.get("host", "?"), e)
-            self._send(node_topic(node_id), ["reject", str(e)], timeout=1.0)
+            self._send_control(node_topic(node_id), ["reject", str(e)], timeout=1.0)
             self.failure.fail(ExecutorFailedError(f"node {info.get('host', '?')} refused: {e}"))
             return
         node = NodeInfo(node_rank, node_id, info["host"], info["address"], info["nproc"], info["pid"],
@@ -595,10 +599,10 @@ class Leader:
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
             self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump, s.liveness_s, self._next_seq)
-        sent = self._send(node_topic(node_id), ["welcome", {
+        sent = self._send_control(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
-            "reply_address": f"tcp://{_bracket(self.bind_ip)}:{s.master_port + 1}",
+            "reply_address": f"tcp://{bracket(self.bind_ip)}:{s.master_port + 1}",
             "max_reply": self.max_reply, **self._welcome_spec}])
         if sent:
             self._probing[node_id] = node
@@ -628,7 +632,7 @@ class Leader:
     def _probe(self) -> None:
         for node_id in self._probing:
             for topic in PROBE_TOPICS:
-                self._send(topic, ["probe", node_id], timeout=0.1)
+                self._send_control(topic, ["probe", node_id], timeout=0.1)
 
     def _check_join(self, info: Any) -> int:
         s = self.settings
@@ -636,8 +640,9 @@ class Leader:
                                                                        "address", "node_rank", "pid")):
             raise ZbusError(f"malformed join request: {brief(info)}")
         host = info["host"]
-        if info["version"] != PROTOCOL_VERSION:
-            raise ZbusError(f"node {host} speaks protocol {info['version']}, the leader {PROTOCOL_VERSION}")
+        if info["version"] != protocol.PROTOCOL_VERSION:
+            raise ZbusError(f"node {host} speaks protocol {info['version']}, "
+                            f"the leader {protocol.PROTOCOL_VERSION}")
         if info["nproc"] != s.nproc_per_node:
             raise ZbusError(f"node {host} has {info['nproc']} workers but every node needs "
                             f"{s.nproc_per_node} (world size {s.nnodes * s.nproc_per_node})")
@@ -662,16 +667,13 @@ class Leader:
         self._thread = threading.Thread(target=self._run, name="zbus-leader-io", daemon=True)
         self._thread.start()
 
-    def _send(self, topic: bytes, obj: Any, timeout: float = 5.0) -> bool:
-        """Send a control message; False if the XPUB socket stayed busy (an RPC
-        blocked on a full node) or full for ``timeout``."""
+    def _send_control(self, topic: bytes, obj: Any, timeout: float = 5.0) -> bool:
+        """Send a control message to the nodes; False if the XPUB socket stayed busy
+        (an RPC blocked on a full node) or full for ``timeout``."""
         if not self.xpub_lock.acquire(timeout=timeout):
             return False
         try:
-            send_frames(self.bcast.xpub, [topic, *codec.encode(obj)], deadline_of(timeout), "control send")
-            return True
-        except TimeoutError:
-            return False
+            return send_message(self.bcast.xpub, obj, timeout, "control send", topic)
         finally:
             self.xpub_lock.release()
 
@@ -757,7 +759,7 @@ class Leader:
         if now >= next_hb or (error is not None and not told):
             # a failed executor says so instead of heartbeating: its nodes free their GPUs
             hb = ["hb", self.sent_seq] if error is None else ["failed", brief(str(error))]
-            if self._send(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
+            if self._send_control(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
                 told = error is not None
             else:
                 log.warning("heartbeat not sent: a node is not taking messages")
@@ -1013,19 +1015,19 @@ class Leader:
         if type(token) is not str or not 0 < len(token) <= 64 or self._status is None:
             self.metrics.dropped(reason="bad-status")
             return
-        self._send(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0)
+        self._send_control(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0)
 
     def announce_stop(self) -> None:
         """Tell the agents that their workers are about to be stopped, so they do
         not report the exits as failures."""
-        self._send(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
+        self._send_control(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
 
     def say_bye(self) -> bool:
         """Tell the nodes the cluster is done (they stop their workers and exit 0);
         whether it was sent. Said as soon as the last call (STOP) is out, so a
         leader killed while its own workers stop leaves no node waiting for it."""
         try:
-            return self._send(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
+            return self._send_control(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
         except zmq.ZMQError:
             return False
 
@@ -1050,7 +1052,7 @@ class Leader:
         try:
             if not self.formed:  # followers still joining would otherwise wait out their timeout
                 for topic in list(self._subscribed)[:64]:
-                    self._send(topic, ["reject", "the leader stopped before the cluster formed"], 0.2)
+                    self._send_control(topic, ["reject", "the leader stopped before the cluster formed"], 0.2)
         except zmq.ZMQError:
             pass
         bye = self.say_bye()
@@ -1082,11 +1084,6 @@ def check_exposure(bind_ip: str, keyed: bool, insecure: bool) -> None:
                 "start the allowed worker classes on the followers", bind_ip)
 
 
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-
 def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
                  curve_dir: str | None = None, secret: bytes | None = None) -> dict:
     """Ask a running leader for its status (``zbus status``): subscribe to an
@@ -1105,14 +1102,11 @@ def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
                 NodeCurve.from_dir(curve_dir).client(sock)
             sock.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, STATUS_TOPIC + token.encode())
-        sub.connect(f"tcp://{_bracket(ip)}:{master_port}")
-        push.connect(f"tcp://{_bracket(ip)}:{master_port + 1}")
+        sub.connect(f"tcp://{bracket(ip)}:{master_port}")
+        push.connect(f"tcp://{bracket(ip)}:{master_port + 1}")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                send_frames(push, codec.encode(["status", token]), time.monotonic() + 0.5, "status")
-            except TimeoutError:
-                pass
+            send_message(push, ["status", token], 0.5, "status")
             if sub.poll(500, zmq.POLLIN):
                 _, *frames = sub.recv_multipart()
                 msg = codec.decode(frames)

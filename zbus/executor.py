@@ -33,7 +33,7 @@ from .errors import (
 )
 from .failure import Failure
 from .metrics import Metrics, serve_prometheus
-from .processes import LocalWorkers
+from .processes import LocalWorkers, with_gloo_ifname
 from .queues import Broadcaster, ShmReceiver, deadline_of, remaining
 from .worker import Worker, import_object
 
@@ -461,9 +461,10 @@ class MultiprocExecutor(Executor):
         segments = [self._bcast.handle.name, *(h.name for h in self._resp_handles)]
         places = [{"rank": r, "local_rank": r, "world_size": self.world_size, "local_world_size": n,
                    "node_rank": 0} for r in range(n)]
+        env = with_gloo_ifname(dict(self.extra_env), ifname)
         self._workers = LocalWorkers(
             places, self._bcast.handle.to_dict(), [h.to_dict() for h in self._resp_handles],
-            segments, self.master_addr, torch_port, self._worker_env(ifname), self._worker_died)
+            segments, self.master_addr, torch_port, env, self._worker_died)
         spec = {"worker": self.worker_path, "kwargs": self.worker_kwargs,
                 "allow_import": self.allow_import_calls, "poll_s": self.poll_after_call_s}
         deadline = deadline_of(self.startup_timeout)
@@ -523,12 +524,6 @@ class MultiprocExecutor(Executor):
                               "ranks": list(range(node.node_rank * n, (node.node_rank + 1) * n)),
                               "last_heartbeat_s": round(time.monotonic() - node.last_seen, 3)})
         return nodes
-
-    def _worker_env(self, ifname: str | None) -> dict[str, str]:
-        env = dict(self.extra_env)
-        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ and "GLOO_SOCKET_IFNAME" not in env:
-            env["GLOO_SOCKET_IFNAME"] = ifname  # gloo would otherwise use the host name's address
-        return env
 
     def _await_ready(self, rank: int, deadline: float | None) -> None:
         reply = self._receivers[rank].get(remaining(deadline, "worker start-up"))

@@ -48,6 +48,15 @@ def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str,
     return env
 
 
+def with_gloo_ifname(env: dict[str, str], ifname: str | None) -> dict[str, str]:
+    """``env`` with ``GLOO_SOCKET_IFNAME`` set to ``ifname`` (the interface that
+    routes to the leader) unless this process's environment or ``env`` sets it:
+    gloo would otherwise use the address of the host's name."""
+    if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    return env
+
+
 class LocalWorkers:
     """Worker processes of one node: started as fresh interpreters (no fork),
     watched through pidfds, ended by pid. ``on_death(local_rank, exitcode)`` runs

@@ -33,6 +33,9 @@ import msgpack
 from . import codec
 from .errors import CodecError
 
+# Checked at a node's join: 2: calls say which replies the driver has; heartbeats
+# name the last call relayed.
+PROTOCOL_VERSION = 2
 CALL, STOP = 1, 2
 NO_ARGS = codec.encode(((), {}))[0]  # the arguments of most calls, encoded once
 READY = -1
