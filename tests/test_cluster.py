@@ -631,7 +631,7 @@ def test_replies_sent_again_are_taken_in_call_order_and_copies_dropped():
     from zbus.cluster import RemoteReceiver
 
     cond = threading.Condition()
-    rx = RemoteReceiver(2, cond, pump=lambda timeout: False, grace=0.3)  # nobody else reads a socket
+    rx = RemoteReceiver(2, cond, try_read=lambda timeout: False, grace=0.3)  # nobody else reads a socket
     with cond:
         for seq in (-1, 1, 3, 2, 3, 1):  # READY; 3 overtakes 2; copies of 3 and of 1
             rx.put([2, seq, 0, f"reply {seq}"])

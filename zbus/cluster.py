@@ -309,7 +309,7 @@ class RemoteReceiver:
     """Replies of one remote rank, by call number; the same ``get``/``poll``
     interface as the shared-memory response queue, told the call the caller
     wants (``want``). A thread waiting here reads the leader's PULL socket itself
-    when no other thread is (``pump``), so a reply reaches it with no hand-over
+    when no other thread is (``try_read``), so a reply reaches it with no hand-over
     between threads; else the reading thread files replies here.
 
     A reply may come twice, or after later ones: its worker sends again what it
@@ -319,11 +319,11 @@ class RemoteReceiver:
     ``grace`` seconds, the earliest is returned, and the caller's check fails on
     it (a reply that will never come) instead of waiting for ever."""
 
-    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool],
+    def __init__(self, rank: int, cond: threading.Condition, try_read: Callable[[float], bool],
                  grace: float = 10.0, next_seq: Callable[[], int] | None = None):
         self.rank = rank
         self._cond = cond
-        self._pump = pump
+        self._try_read = try_read  # reads the socket here; False if another thread reads it
         self._grace = grace
         self._next_seq = next_seq  # the highest call number a reply may answer now
         self._replies: dict[int, Any] = {}  # call number: reply
@@ -370,7 +370,7 @@ class RemoteReceiver:
 
     def poll(self, want: int | None = None) -> bool:
         if not self._ready(want):
-            self._pump(0.0)
+            self._try_read(0.0)
         return self._ready(want)
 
     def get(self, timeout: float | None = None, cancel: Any = None, want: int | None = None) -> Any:
@@ -383,18 +383,17 @@ class RemoteReceiver:
                 if self._aborted:
                     raise RingClosed(f"replies of rank {self.rank} aborted")
             left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
-            if not self._pump(left):  # another thread reads the socket: it files our reply
+            if not self._try_read(left):  # another thread reads the socket: it files our reply
                 with self._cond:
                     if not self._ready(want) and not self._aborted:
                         self._cond.wait(left)
 
     def abort(self) -> None:
+        """Wake the waiting caller, and every later one: they raise RingClosed. (Nothing
+        to close: the socket is the leader's.)"""
         with self._cond:
             self._aborted = True
             self._cond.notify_all()
-
-    def close(self) -> None:
-        self.abort()
 
 
 PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
@@ -417,7 +416,7 @@ class Leader:
     heartbeats, and routes remote replies to per-rank receivers.
 
     The PULL socket is read under ``pull_lock`` by one thread at a time: by a
-    caller waiting for replies (:meth:`pump`), else by the I/O thread. The reader
+    caller waiting for replies (:meth:`try_read_replies`), else by the I/O thread. The reader
     files replies and heartbeats at once and leaves every other message to the
     I/O thread, which handles it with the socket released (so failures and
     admissions are handled in one place, and never keep a caller off the
@@ -598,7 +597,8 @@ class Leader:
                         time.monotonic())
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
-            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump, s.liveness_s, self._next_seq)
+            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.try_read_replies, s.liveness_s,
+                                               self._next_seq)
         sent = self._send_control(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
@@ -790,9 +790,10 @@ class Leader:
                 self.cond.notify_all()  # a caller that waited for the socket may take it
         return next_hb, told
 
-    def pump(self, timeout: float) -> bool:
+    def try_read_replies(self, timeout: float) -> bool:
         """Read the PULL socket in this thread for up to ``timeout`` seconds (until
-        something arrives), if no other thread is reading it; False if one is."""
+        something arrives) unless another thread is reading it: whether this one
+        did (False: the reading thread files the replies; wait on ``cond``)."""
         self._caller_seen = time.monotonic()
         if not self.pull_lock.acquire(blocking=False):
             return False
@@ -980,14 +981,20 @@ class Leader:
         self.calls_again += len(calls)
         return True
 
-    def publish_remote(self, frames: list, deadline: float | None) -> None:
-        """Send to the nodes only (the local ring may be aborted after a failure)."""
-        if self.xpub_lock.acquire(timeout=max(0.0, deadline - time.monotonic()) if deadline else -1):
-            try:
-                send_frames(self.bcast.xpub, self.bcast.wire(TOPIC_RPC, frames), deadline,
-                            "broadcast to nodes")
-            finally:
-                self.xpub_lock.release()
+    def try_publish_to_nodes(self, frames: list, timeout: float) -> bool:
+        """Send a call to the nodes only (after a failure the local ring is aborted)
+        within ``timeout`` seconds: whether it was queued (False: the XPUB socket
+        stayed busy, or a node full)."""
+        if not self.xpub_lock.acquire(timeout=timeout):
+            return False
+        try:
+            send_frames(self.bcast.xpub, self.bcast.wire(TOPIC_RPC, frames), deadline_of(timeout),
+                        "broadcast to nodes")
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.xpub_lock.release()
 
     @property
     def replies_again(self) -> int:

@@ -701,8 +701,8 @@ class MultiprocExecutor(Executor):
                 stop = codec.encode([protocol.STOP])
                 if self.failure.error is None:
                     self._publish(stop, deadline_of(1.0))
-                elif self._leader is not None:
-                    self._leader.publish_remote(stop, deadline_of(1.0))
+                elif self._leader is not None and not self._leader.try_publish_to_nodes(stop, 1.0):
+                    log.warning("STOP not sent to the nodes: they end on the leader's 'failed'")
             except (TimeoutError, RingClosed, Cancelled):
                 pass
         if self._leader is not None and self.failure.error is None:
@@ -726,7 +726,7 @@ class MultiprocExecutor(Executor):
 
     def _free(self) -> None:
         self._pending.clear()
-        for rx in self._receivers:
+        for rx in self._receivers[:self.nproc_per_node]:  # the rest are the leader's (aborted)
             rx.close()
         for h in self._resp_handles:
             shm.unlink(h.name)
