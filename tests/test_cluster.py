@@ -647,3 +647,28 @@ def test_replies_sent_again_are_taken_in_call_order_and_copies_dropped():
     assert 0.25 < time.monotonic() - t0 < 2
     with pytest.raises(TimeoutError):
         rx.get(0.1, want=6)
+
+
+def test_sent_calls_keep_what_a_node_may_lack_and_only_whole_runs_are_sent_again():
+    """Copies are dropped once every node has them (a worker's reply or an agent's
+    heartbeat says so, never past the calls sent) or past the byte limit, oldest
+    first; a run with a dropped call is not sent again. Sabotage: drop
+    ``min(seq, self.last)`` in ``SentCalls.has`` (a peer names a call not yet
+    sent) -> the next call's copy is forgotten at once and ``since(4)`` is None."""
+    from zbus.cluster import SentCalls
+
+    calls = SentCalls(limit=300)
+    for seq in (1, 2, 3):
+        calls.add(seq, [b"e", bytearray(b"x" * 50)], [1, 2])
+    calls.has(1, 2)
+    calls.forget([1, 2])  # node 2 has nothing yet
+    assert calls.since(1) == [[b"e", b"x" * 50]] * 3
+    calls.has(2, 99)  # past the calls sent: counts as 3
+    calls.forget([1, 2])
+    assert calls.since(1) is None and calls.since(3) == [[b"e", b"x" * 50]]
+    calls.has(1, 99)  # both past the calls sent: neither may forget call 4 before it is sent
+    calls.add(4, [b"e", b"y" * 50], [1, 2])
+    assert calls.since(4) == [[b"e", b"y" * 50]] and calls.last == 4
+    for seq in range(5, 12):  # 51 bytes each: past 300 the oldest go
+        calls.add(seq, [b"e", b"z" * 50], [1, 2, 3])
+    assert calls.since(6) is None and len(calls.since(7)) == 5  # 5 x 51 bytes: within 300

@@ -411,6 +411,60 @@ MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE);
 RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
 
 
+class SentCalls:
+    """Copies of the calls queued for the nodes, kept until every node is known to
+    have them: a reset connection loses what it held without a word, and a node
+    that finds a gap asks for those calls again. A node has a call once one of
+    its workers answered it or a later one, or its agent's heartbeat names it or
+    a later one. Copies beyond ``limit`` bytes are dropped, oldest first: a gap
+    across one of those fails its node. The executor's sending thread adds;
+    whoever reads the nodes' messages records what they have."""
+
+    def __init__(self, limit: int = RESEND_BYTES):
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._kept: collections.deque = collections.deque()  # (seq, frames, bytes)
+        self._bytes = 0
+        self._have: dict[int, int] = {}  # node rank: the last call it is known to have relayed
+        self.last = 0  # the last call number queued for the nodes
+
+    def add(self, seq: int, frames: list, node_ranks: list[int]) -> None:
+        """Keep a copy of call ``seq`` (the caller may reuse its buffers; immutable
+        bytes are kept as they are), and forget what ``node_ranks`` all have."""
+        kept = [f if type(f) is bytes else bytes(f) for f in frames]
+        size = sum(len(f) for f in kept)
+        with self._lock:
+            self._kept.append((seq, kept, size))
+            self._bytes += size
+            self.last = seq
+            self._forget(node_ranks)
+
+    def has(self, node_rank: int, seq: Any) -> None:
+        """Node ``node_rank`` has relayed call ``seq`` and every call before it (no
+        further than the calls sent: a peer cannot make the leader forget more)."""
+        if type(seq) is int and seq > self._have.get(node_rank, 0):
+            self._have[node_rank] = min(seq, self.last)
+
+    def forget(self, node_ranks: list[int]) -> None:
+        """Drop the copies of the calls the nodes ``node_ranks`` all have."""
+        with self._lock:
+            self._forget(node_ranks)
+
+    def _forget(self, node_ranks: list[int]) -> None:  # the lock held
+        have = min((self._have.get(r, 0) for r in node_ranks), default=self.last)
+        while self._kept and (self._kept[0][0] <= have or self._bytes > self._limit):
+            self._bytes -= self._kept.popleft()[2]
+
+    def since(self, first: Any) -> list[list] | None:
+        """The frames of calls ``first``..last, or None unless every one is kept."""
+        with self._lock:
+            calls = [c for c in self._kept if type(first) is int and c[0] >= first]
+            last = self.last
+        if not calls or calls[0][0] != first or calls[-1][0] != last:
+            return None
+        return [frames for _, frames, _ in calls]
+
+
 class Leader:
     """The leader's side of the cluster: binds the two ports, admits nodes, relays
     heartbeats, and routes remote replies to per-rank receivers.
@@ -469,11 +523,7 @@ class Leader:
         self.receivers: dict[int, RemoteReceiver] = {}
         # the executor's own (one failure state: see zbus.failure); a leader alone makes one
         self.failure = failure if failure is not None else Failure()
-        self.sent_seq = 0  # the last call number queued for the nodes
-        self._kept: collections.deque = collections.deque()  # (seq, frames, bytes) of calls a node may lack
-        self._kept_bytes = 0
-        self._kept_lock = threading.Lock()
-        self._have: dict[int, int] = {}  # node rank: the last call it is known to have relayed
+        self.calls = SentCalls()  # copies of the calls a node may lack
         self.calls_again = 0  # calls sent again to a node that lost them
         self.formed = settings.nnodes <= 1
         self._joins: dict[str, dict] = {}
@@ -765,8 +815,7 @@ class Leader:
                 log.warning("heartbeat not sent: a node is not taking messages")
             next_hb = time.monotonic() + s.heartbeat_s
             self._check_liveness(time.monotonic())
-            with self._kept_lock:
-                self._forget()  # what the nodes' heartbeats said they have
+            self.calls.forget(list(self.nodes))  # what the nodes' heartbeats said they have
             if not self.formed:
                 self._expire_probing(time.monotonic())
             touch_health()
@@ -876,14 +925,14 @@ class Leader:
                     return
                 receiver.put(msg)
                 self.cond.notify_all()
-            self._has(kind // self.settings.nproc_per_node, msg[1])  # its node had the call
+            self.calls.has(kind // self.settings.nproc_per_node, msg[1])  # its node had the call
         elif kind == "hb" and len(msg) in (2, 3):  # from a node still being probed: nothing to do
             node = self.nodes.get(msg[1]) if type(msg[1]) is int else None
             if node is not None:
                 node.last_seen = time.monotonic()
                 self.metrics.heartbeat(node.node_rank)
                 if len(msg) == 3:  # and the last call its agent relayed
-                    self._has(node.node_rank, msg[2])
+                    self.calls.has(node.node_rank, msg[2])
         elif kind == "died" and len(msg) == 4 and type(msg[1]) is type(msg[2]) is int \
                 and type(msg[3]) in (int, type(None)) and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
@@ -932,43 +981,22 @@ class Leader:
 
     def sent(self, seq: int, frames: list) -> None:
         """Call ``seq`` was queued for the nodes (the executor's sending thread): keep
-        a copy (the caller may reuse its buffers; immutable bytes are kept as they
-        are) until every node is known to have it, to send again to a node whose
-        connection lost it. A node has a call once one of its workers answered it
-        or a later one, or its agent's heartbeat names it or a later one. Copies
-        beyond ``RESEND_BYTES`` are dropped, oldest first: a gap across one of
-        those fails its node."""
-        kept = [f if type(f) is bytes else bytes(f) for f in frames]
-        size = sum(len(f) for f in kept)
-        with self._kept_lock:
-            self._kept.append((seq, kept, size))
-            self._kept_bytes += size
-            self.sent_seq = seq
-            self._forget()
+        a copy to send again to a node whose connection lost it (:class:`SentCalls`)."""
+        self.calls.add(seq, frames, list(self.nodes))
 
-    def _has(self, node_rank: int, seq: Any) -> None:
-        """Node ``node_rank`` has relayed call ``seq`` and every call before it (no
-        further than the calls sent: a peer cannot make the leader forget more)."""
-        if type(seq) is int and seq > self._have.get(node_rank, 0):
-            self._have[node_rank] = min(seq, self.sent_seq)
-
-    def _forget(self) -> None:
-        """Drop the copies of the calls every node has, and the oldest past
-        ``RESEND_BYTES`` (``_kept_lock`` held)."""
-        have = min((self._have.get(r, 0) for r in list(self.nodes)), default=self.sent_seq)
-        while self._kept and (self._kept[0][0] <= have or self._kept_bytes > RESEND_BYTES):
-            self._kept_bytes -= self._kept.popleft()[2]
+    @property
+    def sent_seq(self) -> int:
+        """The last call number queued for the nodes."""
+        return self.calls.last
 
     def _resend(self, node: NodeInfo, first: Any) -> bool:
         """Send calls ``first``..last again to ``node`` alone, on its node topic;
         False if they are no longer all kept or could not be sent."""
-        with self._kept_lock:
-            calls = [c for c in self._kept if type(first) is int and c[0] >= first]
-            last = self.sent_seq
-        if not calls or calls[0][0] != first or calls[-1][0] != last:
+        calls = self.calls.since(first)
+        if calls is None:
             return False
         topic = node_topic(node.node_id) + TOPIC_RPC
-        for _, frames, _ in calls:
+        for frames in calls:
             if not self.xpub_lock.acquire(timeout=1.0):
                 return False
             try:
