@@ -34,7 +34,7 @@ def stats(ex: zbus.Executor) -> dict:
             "heartbeats": lead.metrics.heartbeats.get(1, 0),
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "rss": psutil.Process().memory_info().rss,
-            "failure": None if lead.failure is None else repr(lead.failure)}
+            "failure": None if lead.failure.error is None else repr(lead.failure.error)}
 
 
 def main() -> None:

@@ -252,7 +252,7 @@ def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
 def test_background_futures_fail_with_the_executor():
     """A worker death fails a pending non-blocking call's future by itself.
     Sabotage: a failure that leaves pending futures undone (the loop over them in
-    ``_on_failure`` removed) makes the wait time out."""
+    ``MultiprocExecutor._on_failure`` removed) makes the wait time out."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     try:
         pid = ex.collective_rpc("whoami")[1]["pid"]

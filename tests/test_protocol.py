@@ -100,3 +100,17 @@ def test_bytes_that_are_not_msgpack_are_refused_with_msgpacks_reason(frame):
 
 def test_no_args_is_the_encoding_of_empty_arguments():
     assert zbus.codec.decode([protocol.NO_ARGS]) == ((), {})
+
+
+def test_in_parts_judges_frames_by_their_bytes_and_leaves_small_calls_alone():
+    """Sizes are checked before any view is made; a frame's size is its bytes,
+    not its items. Sabotage: compare ``len(frame)`` for every frame in
+    ``protocol._nbytes`` -> the float64 array of just over a part is not cut."""
+    import numpy as np
+
+    small = [b"envelope", bytearray(100), memoryview(b"x" * protocol.PART_BYTES)]
+    assert protocol.in_parts(small) == (b"", small) and protocol.in_parts(small)[1] is small
+    over = np.zeros(protocol.PART_BYTES // 8 + 1)  # len() counts items: 131 073
+    counts, parts = protocol.in_parts([b"envelope", over])
+    assert msgpack.unpackb(counts) == [1, 2] and [memoryview(p).nbytes for p in parts[1:]] == [
+        protocol.PART_BYTES, 8]

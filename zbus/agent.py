@@ -25,12 +25,11 @@ import zmq
 from . import codec, protocol, shm
 from .cluster import (
     PROBE_TOPICS,
-    PROTOCOL_VERSION,
     TOPIC_HEARTBEAT,
     TOPIC_RPC,
     ClusterSettings,
-    _bracket,
     brief,
+    heartbeat_interval,
     new_node_id,
     node_topic,
     resolve_ip,
@@ -40,8 +39,8 @@ from .cluster import (
 from .config import MAX_POLL_S, WaitPolicy
 from .curve import NodeCurve, curve_dir_from_env, secret_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
-from .executor import LocalWorkers
-from .queues import send_frames
+from .processes import LocalWorkers, with_gloo_ifname
+from .queues import bracket, send_message
 from .ring import RingWriter
 
 log = logging.getLogger(__name__)
@@ -219,15 +218,15 @@ class NodeAgent:
         # topics until we answer: so we miss no RPC (see zbus.cluster).
         for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(self.node_id)):
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sub.connect(f"tcp://{_bracket(master_ip)}:{s.master_port}")
-        self.push.connect(f"tcp://{_bracket(master_ip)}:{s.master_port + 1}")
+        self.sub.connect(f"tcp://{bracket(master_ip)}:{s.master_port}")
+        self.push.connect(f"tcp://{bracket(master_ip)}:{s.master_port + 1}")
         return master_ip
 
     def _join(self) -> dict:
         master_ip = self._connect()
         address, ifname = route_to(master_ip)
         self.ifname = ifname
-        info = {"version": PROTOCOL_VERSION, "nproc": self.settings.nproc_per_node,
+        info = {"version": protocol.PROTOCOL_VERSION, "nproc": self.settings.nproc_per_node,
                 "host": socket.gethostname(), "address": self.advertise_addr or address,
                 "node_rank": -1 if self.node_rank is None else self.node_rank, "pid": os.getpid()}
         deadline = time.monotonic() + self.join_timeout
@@ -240,7 +239,7 @@ class NodeAgent:
                 if tries:
                     log.warning("waiting for the leader at %s:%d (%.0f s left)", self.settings.master_addr,
                                 self.settings.master_port, deadline - time.monotonic())
-                self._send(["join", self.node_id, info], timeout=1.0)
+                self._send_to_leader(["join", self.node_id, info], timeout=1.0)
                 next_try, tries = time.monotonic() + 2.0, tries + 1
             if not self.sub.poll(200, zmq.POLLIN):
                 continue
@@ -256,7 +255,7 @@ class NodeAgent:
     def _refuse(self, reason: str) -> None:
         """Tell the leader why this node will not start (it fails start-up naming
         us), and leave."""
-        self._send(["refused", self.node_id, reason], timeout=1.0)
+        self._send_to_leader(["refused", self.node_id, reason], timeout=1.0)
         raise ZbusError(reason)
 
     def _start_workers(self, welcome: dict) -> None:
@@ -313,9 +312,7 @@ class NodeAgent:
                 del env[k]
             if risky:
                 log.warning("ignored %s from an unauthenticated leader", ", ".join(sorted(risky)))
-        if self.ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
-            env.setdefault("GLOO_SOCKET_IFNAME", self.ifname)
-        return env
+        return with_gloo_ifname(env, self.ifname)
 
     def _serve(self) -> int:
         poller = zmq.Poller()
@@ -375,7 +372,7 @@ class NodeAgent:
         if msg == ["probe", self.node_id] and self._probes_seen is not None:
             self._probes_seen.add(topic)
             if len(self._probes_seen) == len(PROBE_TOPICS):
-                self._send(["subscribed", self.node_id], timeout=1.0)
+                self._send_to_leader(["subscribed", self.node_id], timeout=1.0)
                 self._probes_seen = None
 
     def _read(self) -> list:
@@ -407,7 +404,7 @@ class NodeAgent:
             raise ZbusError(f"calls {self._last_seq + 1}..{gap['upto'] - 1} never arrived (a reset "
                             "connection?): leaving the cluster")
         if time.monotonic() >= gap["ask"]:
-            self._send(["gap", self.node_rank, self._last_seq + 1, gap["upto"]], timeout=0.1)
+            self._send_to_leader(["gap", self.node_rank, self._last_seq + 1, gap["upto"]], timeout=0.1)
             gap["ask"] = time.monotonic() + 0.5
 
     def _take(self) -> list:
@@ -493,11 +490,11 @@ class NodeAgent:
         if now >= self._next_hb:
             if self.node_rank is not None:
                 # with the last call relayed: the leader may forget its copies up to it
-                self._send(["hb", self.node_rank, self._last_seq], timeout=0.1)
+                self._send_to_leader(["hb", self.node_rank, self._last_seq], timeout=0.1)
                 for rank, code in self._dead.items():  # a report lost in a reset connection
-                    self._send(["died", self.node_rank, rank, code], timeout=0.1)
+                    self._send_to_leader(["died", self.node_rank, rank, code], timeout=0.1)
                 touch_health()
-            self._next_hb = now + max(0.05, self.liveness_s / 5)
+            self._next_hb = now + heartbeat_interval(self.liveness_s)
 
     def _on_death(self, local_rank: int, exitcode: int | None) -> None:  # monitor thread
         self._deaths.append((local_rank, exitcode))
@@ -510,14 +507,12 @@ class NodeAgent:
             rank = self.node_rank * n + local
             log.error("worker rank %d exited (%s)", rank, code)
             self._dead[rank] = code  # and again with each heartbeat, until the leader fails
-            self._send(["died", self.node_rank, rank, code], timeout=1.0)
+            self._send_to_leader(["died", self.node_rank, rank, code], timeout=1.0)
 
     # --- plumbing ------------------------------------------------------------------
 
-    def _send(self, msg: Any, timeout: float) -> None:
-        try:
-            send_frames(self.push, codec.encode(msg), time.monotonic() + timeout, "send to leader")
-        except TimeoutError:
+    def _send_to_leader(self, msg: Any, timeout: float) -> None:
+        if not send_message(self.push, msg, timeout, "send to leader"):
             log.warning("leader not taking messages (%s not sent)", msg[0])
 
     def _recv(self) -> tuple[bytes, Any]:

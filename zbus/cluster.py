@@ -49,12 +49,12 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
+from .failure import Failure
 from .metrics import Metrics
-from .queues import Broadcaster, bind, deadline_of, remaining, send_frames
+from .queues import Broadcaster, bind, bracket, deadline_of, remaining, send_frames, send_message
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: calls say which replies the driver has; heartbeats name the last call relayed
 TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 # Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
 # so a node's answer proves both subscriptions are in place at the leader.
@@ -163,7 +163,12 @@ class ClusterSettings:
 
     @property
     def heartbeat_s(self) -> float:
-        return max(0.05, self.liveness_s / 5)
+        return heartbeat_interval(self.liveness_s)
+
+
+def heartbeat_interval(liveness_s: float) -> float:
+    """How often the leader and each agent heartbeat: five beats to a liveness limit."""
+    return max(0.05, liveness_s / 5)
 
 
 def touch_health() -> None:
@@ -304,7 +309,7 @@ class RemoteReceiver:
     """Replies of one remote rank, by call number; the same ``get``/``poll``
     interface as the shared-memory response queue, told the call the caller
     wants (``want``). A thread waiting here reads the leader's PULL socket itself
-    when no other thread is (``pump``), so a reply reaches it with no hand-over
+    when no other thread is (``try_read``), so a reply reaches it with no hand-over
     between threads; else the reading thread files replies here.
 
     A reply may come twice, or after later ones: its worker sends again what it
@@ -314,11 +319,11 @@ class RemoteReceiver:
     ``grace`` seconds, the earliest is returned, and the caller's check fails on
     it (a reply that will never come) instead of waiting for ever."""
 
-    def __init__(self, rank: int, cond: threading.Condition, pump: Callable[[float], bool],
+    def __init__(self, rank: int, cond: threading.Condition, try_read: Callable[[float], bool],
                  grace: float = 10.0, next_seq: Callable[[], int] | None = None):
         self.rank = rank
         self._cond = cond
-        self._pump = pump
+        self._try_read = try_read  # reads the socket here; False if another thread reads it
         self._grace = grace
         self._next_seq = next_seq  # the highest call number a reply may answer now
         self._replies: dict[int, Any] = {}  # call number: reply
@@ -365,7 +370,7 @@ class RemoteReceiver:
 
     def poll(self, want: int | None = None) -> bool:
         if not self._ready(want):
-            self._pump(0.0)
+            self._try_read(0.0)
         return self._ready(want)
 
     def get(self, timeout: float | None = None, cancel: Any = None, want: int | None = None) -> Any:
@@ -378,18 +383,17 @@ class RemoteReceiver:
                 if self._aborted:
                     raise RingClosed(f"replies of rank {self.rank} aborted")
             left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
-            if not self._pump(left):  # another thread reads the socket: it files our reply
+            if not self._try_read(left):  # another thread reads the socket: it files our reply
                 with self._cond:
                     if not self._ready(want) and not self._aborted:
                         self._cond.wait(left)
 
     def abort(self) -> None:
+        """Wake the waiting caller, and every later one: they raise RingClosed. (Nothing
+        to close: the socket is the leader's.)"""
         with self._cond:
             self._aborted = True
             self._cond.notify_all()
-
-    def close(self) -> None:
-        self.abort()
 
 
 PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
@@ -407,19 +411,73 @@ MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE);
 RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
 
 
+class SentCalls:
+    """Copies of the calls queued for the nodes, kept until every node is known to
+    have them: a reset connection loses what it held without a word, and a node
+    that finds a gap asks for those calls again. A node has a call once one of
+    its workers answered it or a later one, or its agent's heartbeat names it or
+    a later one. Copies beyond ``limit`` bytes are dropped, oldest first: a gap
+    across one of those fails its node. The executor's sending thread adds;
+    whoever reads the nodes' messages records what they have."""
+
+    def __init__(self, limit: int = RESEND_BYTES):
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._kept: collections.deque = collections.deque()  # (seq, frames, bytes)
+        self._bytes = 0
+        self._have: dict[int, int] = {}  # node rank: the last call it is known to have relayed
+        self.last = 0  # the last call number queued for the nodes
+
+    def add(self, seq: int, frames: list, node_ranks: list[int]) -> None:
+        """Keep a copy of call ``seq`` (the caller may reuse its buffers; immutable
+        bytes are kept as they are), and forget what ``node_ranks`` all have."""
+        kept = [f if type(f) is bytes else bytes(f) for f in frames]
+        size = sum(len(f) for f in kept)
+        with self._lock:
+            self._kept.append((seq, kept, size))
+            self._bytes += size
+            self.last = seq
+            self._forget(node_ranks)
+
+    def has(self, node_rank: int, seq: Any) -> None:
+        """Node ``node_rank`` has relayed call ``seq`` and every call before it (no
+        further than the calls sent: a peer cannot make the leader forget more)."""
+        if type(seq) is int and seq > self._have.get(node_rank, 0):
+            self._have[node_rank] = min(seq, self.last)
+
+    def forget(self, node_ranks: list[int]) -> None:
+        """Drop the copies of the calls the nodes ``node_ranks`` all have."""
+        with self._lock:
+            self._forget(node_ranks)
+
+    def _forget(self, node_ranks: list[int]) -> None:  # the lock held
+        have = min((self._have.get(r, 0) for r in node_ranks), default=self.last)
+        while self._kept and (self._kept[0][0] <= have or self._bytes > self._limit):
+            self._bytes -= self._kept.popleft()[2]
+
+    def since(self, first: Any) -> list[list] | None:
+        """The frames of calls ``first``..last, or None unless every one is kept."""
+        with self._lock:
+            calls = [c for c in self._kept if type(first) is int and c[0] >= first]
+            last = self.last
+        if not calls or calls[0][0] != first or calls[-1][0] != last:
+            return None
+        return [frames for _, frames, _ in calls]
+
+
 class Leader:
     """The leader's side of the cluster: binds the two ports, admits nodes, relays
     heartbeats, and routes remote replies to per-rank receivers.
 
     The PULL socket is read under ``pull_lock`` by one thread at a time: by a
-    caller waiting for replies (:meth:`pump`), else by the I/O thread. The reader
+    caller waiting for replies (:meth:`try_read_replies`), else by the I/O thread. The reader
     files replies and heartbeats at once and leaves every other message to the
     I/O thread, which handles it with the socket released (so failures and
     admissions are handled in one place, and never keep a caller off the
     socket). The XPUB socket is shared under ``xpub_lock``."""
 
     def __init__(self, settings: ClusterSettings, broadcaster_factory: Callable[..., Broadcaster],
-                 on_failure: Callable[[Exception], None], curve_dir: str | None = None,
+                 failure: Failure | None = None, curve_dir: str | None = None,
                  metrics: Metrics | None = None, status: Callable[[], dict] | None = None,
                  secret: bytes | None = None, insecure: bool = False):
         self.settings = settings
@@ -463,14 +521,9 @@ class Leader:
         self.nodes: dict[int, NodeInfo] = {}
         self.cond = threading.Condition()
         self.receivers: dict[int, RemoteReceiver] = {}
-        self._on_failure = on_failure
-        self.failure: Exception | None = None
-        self._told_failure = False  # the nodes were sent ``failed``
-        self.sent_seq = 0  # the last call number queued for the nodes
-        self._kept: collections.deque = collections.deque()  # (seq, frames, bytes) of calls a node may lack
-        self._kept_bytes = 0
-        self._kept_lock = threading.Lock()
-        self._have: dict[int, int] = {}  # node rank: the last call it is known to have relayed
+        # the executor's own (one failure state: see zbus.failure); a leader alone makes one
+        self.failure = failure if failure is not None else Failure()
+        self.calls = SentCalls()  # copies of the calls a node may lack
         self.calls_again = 0  # calls sent again to a node that lost them
         self.formed = settings.nnodes <= 1
         self._joins: dict[str, dict] = {}
@@ -482,6 +535,7 @@ class Leader:
         self.metrics = metrics or Metrics()
         self._last_drop_log, self._drops_logged = 0.0, 0
         self._status = status
+        self.failure.on_failure(self._on_failure)
         (log.info if self.curve else log.warning)(
             "zbus leader on %s:%d-%d: links are %s", self.bind_ip, settings.master_port,
             settings.master_port + 1, describe(self.curve))
@@ -507,8 +561,7 @@ class Leader:
                 if on_join is not None and len(self.nodes) != seen:
                     seen = len(self.nodes)
                     on_join(seen + 1, want + 1)
-                if self.failure is not None:
-                    raise self.failure
+                self.failure.raise_if_failed()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(1, self.settings.nnodes)) - set(self.nodes))
@@ -542,7 +595,7 @@ class Leader:
         log.debug("join from %s (%s)", info.get("host"), node_id)
         if self.formed:
             log.error("refused a join from %s: the cluster is formed", info.get("host", "?"))
-            self._send(node_topic(node_id), ["reject", "the cluster is already formed"], timeout=1.0)
+            self._send_control(node_topic(node_id), ["reject", "the cluster is already formed"], timeout=1.0)
             return
         if len(self._joins) >= MAX_PENDING_JOINS and node_id not in self._joins:
             # A flood of joins from nodes that never subscribe: forget the oldest. A real
@@ -578,7 +631,7 @@ class Leader:
                 del self._probing[node_id]
                 log.warning("node %s (rank %d) never answered the probes within %.1f s: dropped",
                             node.host, node.node_rank, self.settings.liveness_s)
-                self._send(node_topic(node_id), ["dropped", "no answer to the probes in time"], 0.1)
+                self._send_control(node_topic(node_id), ["dropped", "no answer to the probes in time"], 0.1)
         self._welcome_ready()
 
     def _welcome(self, node_id: str, info: dict) -> None:
@@ -587,21 +640,19 @@ class Leader:
             node_rank = self._check_join(info)
         except ZbusError as e:
             log.error("refused node %s: %s", info.get("host", "?"), e)
-            self._send(node_topic(node_id), ["reject", str(e)], timeout=1.0)
-            with self.cond:
-                if self.failure is None:
-                    self.failure = ZbusError(f"node {info.get('host', '?')} refused: {e}")
-                self.cond.notify_all()
+            self._send_control(node_topic(node_id), ["reject", str(e)], timeout=1.0)
+            self.failure.fail(ExecutorFailedError(f"node {info.get('host', '?')} refused: {e}"))
             return
         node = NodeInfo(node_rank, node_id, info["host"], info["address"], info["nproc"], info["pid"],
                         time.monotonic())
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
-            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.pump, s.liveness_s, self._next_seq)
-        sent = self._send(node_topic(node_id), ["welcome", {
+            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.try_read_replies, s.liveness_s,
+                                               self._next_seq)
+        sent = self._send_control(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
-            "reply_address": f"tcp://{_bracket(self.bind_ip)}:{s.master_port + 1}",
+            "reply_address": f"tcp://{bracket(self.bind_ip)}:{s.master_port + 1}",
             "max_reply": self.max_reply, **self._welcome_spec}])
         if sent:
             self._probing[node_id] = node
@@ -614,7 +665,7 @@ class Leader:
         if node is None:
             self.metrics.dropped(reason="stray-refused")
             return
-        self._fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
+        self.failure.fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
                                        f"workers: {brief(reason)}"))
 
     def _on_subscribed(self, node_id: Any) -> None:
@@ -631,7 +682,7 @@ class Leader:
     def _probe(self) -> None:
         for node_id in self._probing:
             for topic in PROBE_TOPICS:
-                self._send(topic, ["probe", node_id], timeout=0.1)
+                self._send_control(topic, ["probe", node_id], timeout=0.1)
 
     def _check_join(self, info: Any) -> int:
         s = self.settings
@@ -639,8 +690,9 @@ class Leader:
                                                                        "address", "node_rank", "pid")):
             raise ZbusError(f"malformed join request: {brief(info)}")
         host = info["host"]
-        if info["version"] != PROTOCOL_VERSION:
-            raise ZbusError(f"node {host} speaks protocol {info['version']}, the leader {PROTOCOL_VERSION}")
+        if info["version"] != protocol.PROTOCOL_VERSION:
+            raise ZbusError(f"node {host} speaks protocol {info['version']}, "
+                            f"the leader {protocol.PROTOCOL_VERSION}")
         if info["nproc"] != s.nproc_per_node:
             raise ZbusError(f"node {host} has {info['nproc']} workers but every node needs "
                             f"{s.nproc_per_node} (world size {s.nnodes * s.nproc_per_node})")
@@ -665,16 +717,13 @@ class Leader:
         self._thread = threading.Thread(target=self._run, name="zbus-leader-io", daemon=True)
         self._thread.start()
 
-    def _send(self, topic: bytes, obj: Any, timeout: float = 5.0) -> bool:
-        """Send a control message; False if the XPUB socket stayed busy (an RPC
-        blocked on a full node) or full for ``timeout``."""
+    def _send_control(self, topic: bytes, obj: Any, timeout: float = 5.0) -> bool:
+        """Send a control message to the nodes; False if the XPUB socket stayed busy
+        (an RPC blocked on a full node) or full for ``timeout``."""
         if not self.xpub_lock.acquire(timeout=timeout):
             return False
         try:
-            send_frames(self.bcast.xpub, [topic, *codec.encode(obj)], deadline_of(timeout), "control send")
-            return True
-        except TimeoutError:
-            return False
+            return send_message(self.bcast.xpub, obj, timeout, "control send", topic)
         finally:
             self.xpub_lock.release()
 
@@ -738,35 +787,35 @@ class Leader:
         """The I/O thread: heartbeats and liveness, subscriptions while the cluster
         forms (the XPUB socket is then only ours), the messages a caller left to
         it, and the PULL socket whenever no caller has wanted it for a while."""
-        next_hb = 0.0
+        next_hb, told = 0.0, False  # told: the nodes were sent ``failed``
         while not self._stop.is_set():
             try:
-                next_hb = self._step(next_hb)
+                next_hb, told = self._step(next_hb, told)
             except zmq.ZMQError as e:
                 if not self._stop.is_set():
-                    self._fail(ExecutorFailedError(f"leader I/O failed: {e}"))
+                    self.failure.fail(ExecutorFailedError(f"leader I/O failed: {e}"))
                 return
             except Exception as e:  # noqa: BLE001 - nothing a peer sends may stop heartbeats
                 self._drop(f"a message that broke the I/O loop: {type(e).__name__}: {brief(str(e))}",
                            "io-loop")
                 self._stop.wait(0.05)  # no busy loop if it happens again at once
 
-    def _step(self, next_hb: float) -> float:
-        """One turn of the I/O loop; the time of the next heartbeat."""
+    def _step(self, next_hb: float, told: bool) -> tuple[float, bool]:
+        """One turn of the I/O loop; the time of the next heartbeat, and whether the
+        nodes were told of the failure (at once, not at the next heartbeat)."""
         s = self.settings
         now = time.monotonic()
-        tell = self.failure is not None and not self._told_failure
-        if now >= next_hb or tell:
+        error = self.failure.error
+        if now >= next_hb or (error is not None and not told):
             # a failed executor says so instead of heartbeating: its nodes free their GPUs
-            hb = ["hb", self.sent_seq] if self.failure is None else ["failed", brief(str(self.failure))]
-            if self._send(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
-                self._told_failure = self.failure is not None
+            hb = ["hb", self.sent_seq] if error is None else ["failed", brief(str(error))]
+            if self._send_control(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
+                told = error is not None
             else:
                 log.warning("heartbeat not sent: a node is not taking messages")
             next_hb = time.monotonic() + s.heartbeat_s
             self._check_liveness(time.monotonic())
-            with self._kept_lock:
-                self._forget()  # what the nodes' heartbeats said they have
+            self.calls.forget(list(self.nodes))  # what the nodes' heartbeats said they have
             if not self.formed:
                 self._expire_probing(time.monotonic())
             touch_health()
@@ -788,11 +837,12 @@ class Leader:
                 self.pull_lock.release()
             with self.cond:
                 self.cond.notify_all()  # a caller that waited for the socket may take it
-        return next_hb
+        return next_hb, told
 
-    def pump(self, timeout: float) -> bool:
+    def try_read_replies(self, timeout: float) -> bool:
         """Read the PULL socket in this thread for up to ``timeout`` seconds (until
-        something arrives), if no other thread is reading it; False if one is."""
+        something arrives) unless another thread is reading it: whether this one
+        did (False: the reading thread files the replies; wait on ``cond``)."""
         self._caller_seen = time.monotonic()
         if not self.pull_lock.acquire(blocking=False):
             return False
@@ -856,13 +906,6 @@ class Leader:
         finally:
             self.xpub_lock.release()
 
-    def _fail(self, error: Exception) -> None:
-        with self.cond:
-            if self.failure is None:
-                self.failure = error
-            self.cond.notify_all()
-        self._on_failure(error)
-
     def _dispatch(self, msg: Any) -> None:
         if msg is None:
             return
@@ -882,18 +925,18 @@ class Leader:
                     return
                 receiver.put(msg)
                 self.cond.notify_all()
-            self._has(kind // self.settings.nproc_per_node, msg[1])  # its node had the call
+            self.calls.has(kind // self.settings.nproc_per_node, msg[1])  # its node had the call
         elif kind == "hb" and len(msg) in (2, 3):  # from a node still being probed: nothing to do
             node = self.nodes.get(msg[1]) if type(msg[1]) is int else None
             if node is not None:
                 node.last_seen = time.monotonic()
                 self.metrics.heartbeat(node.node_rank)
                 if len(msg) == 3:  # and the last call its agent relayed
-                    self._has(node.node_rank, msg[2])
+                    self.calls.has(node.node_rank, msg[2])
         elif kind == "died" and len(msg) == 4 and type(msg[1]) is type(msg[2]) is int \
                 and type(msg[3]) in (int, type(None)) and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
-            self._fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
+            self.failure.fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
         elif kind == "join" and len(msg) == 3:
             self._on_join(msg[1], msg[2])
         elif kind == "subscribed" and len(msg) == 2 and type(msg[1]) is str:
@@ -904,7 +947,7 @@ class Leader:
                 log.warning("node %d (%s) missed calls %s to %s: sent again", node.node_rank, node.host,
                             brief(msg[2]), brief(msg[3]))
             else:
-                self._fail(NodeLostError(node.node_rank, node.host,
+                self.failure.fail(NodeLostError(node.node_rank, node.host,
                                          f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
         elif kind == "refused" and len(msg) == 3:
             self._on_refused(msg[1], msg[2])
@@ -932,49 +975,28 @@ class Leader:
     def _check_liveness(self, now: float) -> None:
         for node in self.nodes.values():
             if now - node.last_seen > self.settings.liveness_s:
-                self._fail(NodeLostError(
+                self.failure.fail(NodeLostError(
                     node.node_rank, node.host, f"no heartbeat for {now - node.last_seen:.1f} s"))
                 return
 
     def sent(self, seq: int, frames: list) -> None:
         """Call ``seq`` was queued for the nodes (the executor's sending thread): keep
-        a copy (the caller may reuse its buffers; immutable bytes are kept as they
-        are) until every node is known to have it, to send again to a node whose
-        connection lost it. A node has a call once one of its workers answered it
-        or a later one, or its agent's heartbeat names it or a later one. Copies
-        beyond ``RESEND_BYTES`` are dropped, oldest first: a gap across one of
-        those fails its node."""
-        kept = [f if type(f) is bytes else bytes(f) for f in frames]
-        size = sum(len(f) for f in kept)
-        with self._kept_lock:
-            self._kept.append((seq, kept, size))
-            self._kept_bytes += size
-            self.sent_seq = seq
-            self._forget()
+        a copy to send again to a node whose connection lost it (:class:`SentCalls`)."""
+        self.calls.add(seq, frames, list(self.nodes))
 
-    def _has(self, node_rank: int, seq: Any) -> None:
-        """Node ``node_rank`` has relayed call ``seq`` and every call before it (no
-        further than the calls sent: a peer cannot make the leader forget more)."""
-        if type(seq) is int and seq > self._have.get(node_rank, 0):
-            self._have[node_rank] = min(seq, self.sent_seq)
-
-    def _forget(self) -> None:
-        """Drop the copies of the calls every node has, and the oldest past
-        ``RESEND_BYTES`` (``_kept_lock`` held)."""
-        have = min((self._have.get(r, 0) for r in list(self.nodes)), default=self.sent_seq)
-        while self._kept and (self._kept[0][0] <= have or self._kept_bytes > RESEND_BYTES):
-            self._kept_bytes -= self._kept.popleft()[2]
+    @property
+    def sent_seq(self) -> int:
+        """The last call number queued for the nodes."""
+        return self.calls.last
 
     def _resend(self, node: NodeInfo, first: Any) -> bool:
         """Send calls ``first``..last again to ``node`` alone, on its node topic;
         False if they are no longer all kept or could not be sent."""
-        with self._kept_lock:
-            calls = [c for c in self._kept if type(first) is int and c[0] >= first]
-            last = self.sent_seq
-        if not calls or calls[0][0] != first or calls[-1][0] != last:
+        calls = self.calls.since(first)
+        if calls is None:
             return False
         topic = node_topic(node.node_id) + TOPIC_RPC
-        for _, frames, _ in calls:
+        for frames in calls:
             if not self.xpub_lock.acquire(timeout=1.0):
                 return False
             try:
@@ -987,14 +1009,20 @@ class Leader:
         self.calls_again += len(calls)
         return True
 
-    def publish_remote(self, frames: list, deadline: float | None) -> None:
-        """Send to the nodes only (the local ring may be aborted after a failure)."""
-        if self.xpub_lock.acquire(timeout=max(0.0, deadline - time.monotonic()) if deadline else -1):
-            try:
-                send_frames(self.bcast.xpub, self.bcast.wire(TOPIC_RPC, frames), deadline,
-                            "broadcast to nodes")
-            finally:
-                self.xpub_lock.release()
+    def try_publish_to_nodes(self, frames: list, timeout: float) -> bool:
+        """Send a call to the nodes only (after a failure the local ring is aborted)
+        within ``timeout`` seconds: whether it was queued (False: the XPUB socket
+        stayed busy, or a node full)."""
+        if not self.xpub_lock.acquire(timeout=timeout):
+            return False
+        try:
+            send_frames(self.bcast.xpub, self.bcast.wire(TOPIC_RPC, frames), deadline_of(timeout),
+                        "broadcast to nodes")
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.xpub_lock.release()
 
     @property
     def replies_again(self) -> int:
@@ -1022,19 +1050,19 @@ class Leader:
         if type(token) is not str or not 0 < len(token) <= 64 or self._status is None:
             self.metrics.dropped(reason="bad-status")
             return
-        self._send(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0)
+        self._send_control(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0)
 
     def announce_stop(self) -> None:
         """Tell the agents that their workers are about to be stopped, so they do
         not report the exits as failures."""
-        self._send(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
+        self._send_control(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
 
     def say_bye(self) -> bool:
         """Tell the nodes the cluster is done (they stop their workers and exit 0);
         whether it was sent. Said as soon as the last call (STOP) is out, so a
         leader killed while its own workers stop leaves no node waiting for it."""
         try:
-            return self._send(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
+            return self._send_control(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
         except zmq.ZMQError:
             return False
 
@@ -1042,12 +1070,10 @@ class Leader:
         for r in list(self.receivers.values()):  # the I/O thread may be adding one
             r.abort()
 
-    def external_failure(self, error: Exception) -> None:
-        """The executor failed (a local worker died, say): stop waiting for nodes
-        and for replies."""
+    def _on_failure(self, _error: Exception) -> None:
+        """Failed (here or in the executor: a local worker died, say): stop waiting
+        for nodes and for replies."""
         with self.cond:
-            if self.failure is None:
-                self.failure = error
             self.cond.notify_all()
         self._wake.set()  # the I/O thread tells the nodes
         self.abort_receivers()
@@ -1061,7 +1087,7 @@ class Leader:
         try:
             if not self.formed:  # followers still joining would otherwise wait out their timeout
                 for topic in list(self._subscribed)[:64]:
-                    self._send(topic, ["reject", "the leader stopped before the cluster formed"], 0.2)
+                    self._send_control(topic, ["reject", "the leader stopped before the cluster formed"], 0.2)
         except zmq.ZMQError:
             pass
         bye = self.say_bye()
@@ -1093,11 +1119,6 @@ def check_exposure(bind_ip: str, keyed: bool, insecure: bool) -> None:
                 "start the allowed worker classes on the followers", bind_ip)
 
 
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-
 def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
                  curve_dir: str | None = None, secret: bytes | None = None) -> dict:
     """Ask a running leader for its status (``zbus status``): subscribe to an
@@ -1116,14 +1137,11 @@ def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
                 NodeCurve.from_dir(curve_dir).client(sock)
             sock.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, STATUS_TOPIC + token.encode())
-        sub.connect(f"tcp://{_bracket(ip)}:{master_port}")
-        push.connect(f"tcp://{_bracket(ip)}:{master_port + 1}")
+        sub.connect(f"tcp://{bracket(ip)}:{master_port}")
+        push.connect(f"tcp://{bracket(ip)}:{master_port + 1}")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                send_frames(push, codec.encode(["status", token]), time.monotonic() + 0.5, "status")
-            except TimeoutError:
-                pass
+            send_message(push, ["status", token], 0.5, "status")
             if sub.poll(500, zmq.POLLIN):
                 _, *frames = sub.recv_multipart()
                 msg = codec.decode(frames)

@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 import logging
 import os
-import select
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -36,7 +31,9 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
+from .failure import Failure
 from .metrics import Metrics, serve_prometheus
+from .processes import LocalWorkers, with_gloo_ifname
 from .queues import Broadcaster, ShmReceiver, deadline_of, remaining
 from .worker import Worker, import_object
 
@@ -208,9 +205,8 @@ class Executor:
         self.allow_import_calls = allow_import_calls
         self.extra_env = dict(env or {})
         self.poll_after_call_s = poll_after_call_s
-        self._failure: ExecutorFailedError | None = None
+        self.failure = Failure()  # shared with the leader: one error for every path
         self.metrics = Metrics()
-        self._callbacks: list[Callable[[], None]] = []
         self._state_lock = threading.Lock()
         self._closed = False
 
@@ -228,7 +224,7 @@ class Executor:
     def status(self) -> dict[str, Any]:
         """What ``zbus status`` shows: world size, nodes, RPC counts and latency."""
         return {"world_size": self.world_size, "output_rank": self.output_rank,
-                "failed": str(self._failure) if self._failure else None,
+                "failed": str(self.failure.error) if self.failure.error else None,
                 "nodes": self._nodes_status(), **self.metrics.snapshot()}
 
     def _nodes_status(self) -> list[dict[str, Any]]:
@@ -238,16 +234,11 @@ class Executor:
 
     def check_health(self) -> None:
         """Raise the executor's failure if it failed; else return None."""
-        if self._failure is not None:
-            raise self._failure
+        self.failure.raise_if_failed()
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once when the executor fails (at once if it has)."""
-        with self._state_lock:
-            if self._failure is None:
-                self._callbacks.append(callback)
-                return
-        callback()
+        self.failure.on_failure(lambda _error: callback())
 
     def shutdown(self) -> None:
         raise NotImplementedError
@@ -267,30 +258,11 @@ class Executor:
 
     # --- shared machinery ---------------------------------------------------------
 
-    def _fail(self, error: ExecutorFailedError) -> None:
-        """Mark the executor failed (first error wins) and run the callbacks."""
-        with self._state_lock:
-            if self._failure is not None or self._closed:  # exits are expected once closing
-                return
-            self._failure = error
-            callbacks, self._callbacks = self._callbacks, []
-        log.error("executor failed: %s", error)
-        self._on_failure(error)
-        for cb in callbacks:
-            try:
-                cb()
-            except Exception:  # noqa: BLE001
-                log.exception("failure callback raised")
-
-    def _on_failure(self, error: ExecutorFailedError) -> None:
-        pass
-
     def _check_call(self, method: str | Callable, unique_reply_rank: int | None) -> str:
         """The method's wire name, once the executor may take the call."""
         if self._closed:
             raise ZbusError("executor is shut down")
-        if self._failure is not None:
-            raise self._failure
+        self.failure.raise_if_failed()
         method = method_name(method)
         if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
             raise ValueError(f"unique_reply_rank {unique_reply_rank} outside 0..{self.world_size - 1}")
@@ -354,6 +326,7 @@ class InprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._closed = True
+        self.failure.close()
 
 
 def reserve_port(host: str) -> int:
@@ -370,136 +343,6 @@ def reserve_port(host: str) -> int:
                 continue
             return s.getsockname()[1]
     raise ZbusError(f"no free port on {host} in ZBUS_PORT_RANGE={lo_hi[0]}-{lo_hi[1]}")
-
-
-def _visible_gpus() -> list[str]:
-    """GPU ids this process may use, found without importing torch."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [d for d in env.split(",") if d.strip()]
-    try:
-        names = os.listdir("/dev")
-    except OSError:
-        return []
-    return sorted((n[6:] for n in names if n.startswith("nvidia") and n[6:].isdigit()), key=int)
-
-
-def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str, str]) -> dict:
-    """The environment of a worker process: torchrun's variables, one GPU each."""
-    env = dict(os.environ)
-    env.update(extra)
-    env.update({
-        "RANK": str(place["rank"]), "LOCAL_RANK": str(place["local_rank"]),
-        "WORLD_SIZE": str(place["world_size"]), "LOCAL_WORLD_SIZE": str(place["local_world_size"]),
-        "NODE_RANK": str(place["node_rank"]), "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-    })
-    env.setdefault("OMP_NUM_THREADS", "1")
-    gpus = _visible_gpus()
-    if len(gpus) >= place["local_world_size"] and "CUDA_VISIBLE_DEVICES" not in extra:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[place["local_rank"]]
-    # The worker imports the user's modules the way the driver does.
-    paths = [p for p in (sys.path[0], env.get("PYTHONPATH", "")) if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
-class LocalWorkers:
-    """Worker processes of one node: started as fresh interpreters (no fork),
-    watched through pidfds, ended by pid. ``on_death(local_rank, exitcode)`` runs
-    in the watcher thread when one exits unexpectedly."""
-
-    def __init__(self, places: list[dict], bcast: dict, responses: list[dict], segments: list[str],
-                 master_addr: str, master_port: int, extra_env: dict[str, str],
-                 on_death: Callable[[int, int | None], None]):
-        death_r, self._death_w = os.pipe()
-        self._stop_r, self._stop_w = os.pipe()
-        self.procs: list[subprocess.Popen] = []
-        self._on_death = on_death
-        self.stopping = False
-        try:
-            for place, resp in zip(places, responses):
-                info = dict(place, bcast=bcast, resp=resp, death_fd=death_r, segments=segments)
-                env = worker_env(place, master_addr, master_port, extra_env)
-                env["ZBUS_WORKER"] = json.dumps(info)
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-c", "from zbus.worker import main; main()"], env=env,
-                    pass_fds=(death_r,), stdin=subprocess.DEVNULL))
-        except BaseException:
-            os.close(death_r)
-            self.kill()
-            for fd in (self._death_w, self._stop_r, self._stop_w):
-                os.close(fd)
-            self._death_w = -1
-            raise
-        os.close(death_r)
-        self._thread = threading.Thread(target=self._watch, name="zbus-worker-monitor", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        poller = select.poll()
-        fds = {}
-        for i, p in enumerate(self.procs):
-            fd = os.pidfd_open(p.pid)
-            fds[fd] = i
-            poller.register(fd, select.POLLIN)
-        poller.register(self._stop_r, select.POLLIN)
-        try:
-            while fds:
-                for fd, _ in poller.poll():
-                    if fd == self._stop_r:
-                        return
-                    i = fds.pop(fd)
-                    poller.unregister(fd)
-                    os.close(fd)
-                    code = self.procs[i].wait()
-                    if not self.stopping:
-                        self._on_death(i, code)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def alive(self) -> list[int]:
-        return [i for i, p in enumerate(self.procs) if p.poll() is None]
-
-    def wait(self, timeout: float) -> bool:
-        """Wait for every worker to exit; whether they all did."""
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                return False
-        return True
-
-    def stop(self, grace: float = 5.0, term_s: float = 2.0) -> None:
-        """Workers were asked to stop: wait ``grace``, then SIGTERM and ``term_s``,
-        then SIGKILL."""
-        self.stopping = True
-        if not self.wait(grace):
-            for p in self.procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            if not self.wait(term_s):
-                self.kill()
-        self.close()
-
-    def kill(self) -> None:
-        self.stopping = True
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait()
-
-    def close(self) -> None:
-        if self._death_w >= 0:
-            os.write(self._stop_w, b"x")
-            if hasattr(self, "_thread") and self._thread is not threading.current_thread():
-                self._thread.join(5)  # (a failure callback may call shutdown on this thread)
-            for fd in (self._death_w, self._stop_r, self._stop_w):
-                os.close(fd)
-            self._death_w = -1
 
 
 class Completer:
@@ -597,7 +440,7 @@ class Completer:
             except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
                 if not isinstance(e, ExecutorFailedError):
                     e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
-                ex._fail(e)
+                ex.failure.fail(e)
                 return  # every pending future now holds the error (see _on_failure)
             finally:
                 ex._recv_lock.release()
@@ -644,12 +487,12 @@ class MultiprocExecutor(Executor):
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._completer = Completer(self)
-        self._failed = threading.Event()
         self._bcast: Broadcaster | None = None
         self._leader: Leader | None = None
         self._resp_handles: list[ring.RingHandle] = []
         self._receivers: list[Any] = []
         self._workers: LocalWorkers | None = None
+        self.failure.on_failure(self._on_failure)  # first: before the leader's and the user's
         try:
             self._start()
         except BaseException:
@@ -660,7 +503,7 @@ class MultiprocExecutor(Executor):
         shm.sweep_stale()
         n, s = self.nproc_per_node, self.settings
         if self.nnodes > 1:
-            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self._fail, self.curve_dir,
+            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self.failure, self.curve_dir,
                                   self.metrics, self.status, secret=self.secret, insecure=self.insecure)
             self._bcast = self._leader.bcast
             torch_port = reserve_port(self._leader.bind_ip)
@@ -680,9 +523,10 @@ class MultiprocExecutor(Executor):
         segments = [self._bcast.handle.name, *(h.name for h in self._resp_handles)]
         places = [{"rank": r, "local_rank": r, "world_size": self.world_size, "local_world_size": n,
                    "node_rank": 0} for r in range(n)]
+        env = with_gloo_ifname(dict(self.extra_env), ifname)
         self._workers = LocalWorkers(
             places, self._bcast.handle.to_dict(), [h.to_dict() for h in self._resp_handles],
-            segments, self.master_addr, torch_port, self._worker_env(ifname), self._worker_died)
+            segments, self.master_addr, torch_port, env, self._worker_died)
         spec = {"worker": self.worker_path, "kwargs": self.worker_kwargs,
                 "allow_import": self.allow_import_calls, "poll_s": self.poll_after_call_s}
         deadline = deadline_of(self.startup_timeout)
@@ -695,7 +539,8 @@ class MultiprocExecutor(Executor):
                                        self.on_join)
                 except (TimeoutError, ZbusError) as e:
                     # a local worker that failed tells why in its ring; else the leader's reason
-                    raise StartupError(self._startup_failure() if self._failure else str(e)) from None
+                    died = isinstance(self.failure.error, WorkerDiedError)
+                    raise StartupError(self._startup_failure() if died else str(e)) from None
                 self._receivers += [self._leader.receivers[r] for r in range(n, self.world_size)]
                 deadline = deadline_of(self.startup_timeout)
             for rank in range(self.world_size):
@@ -729,7 +574,7 @@ class MultiprocExecutor(Executor):
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
-        return f"a worker died during start-up: {self._failure}"
+        return f"a worker died during start-up: {self.failure.error}"
 
     def _nodes_status(self) -> list[dict[str, Any]]:
         n = self.nproc_per_node
@@ -742,12 +587,6 @@ class MultiprocExecutor(Executor):
                               "last_heartbeat_s": round(time.monotonic() - node.last_seen, 3)})
         return nodes
 
-    def _worker_env(self, ifname: str | None) -> dict[str, str]:
-        env = dict(self.extra_env)
-        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ and "GLOO_SOCKET_IFNAME" not in env:
-            env["GLOO_SOCKET_IFNAME"] = ifname  # gloo would otherwise use the host name's address
-        return env
-
     def _await_ready(self, rank: int, deadline: float | None) -> None:
         reply = self._receivers[rank].get(remaining(deadline, "worker start-up"))
         _, seq, status, value = reply
@@ -756,17 +595,15 @@ class MultiprocExecutor(Executor):
             raise StartupError(f"worker rank {rank} failed to start:\n{detail}")
 
     def _worker_died(self, local_rank: int, exitcode: int | None) -> None:
-        self._fail(WorkerDiedError(local_rank, exitcode))
+        self.failure.fail(WorkerDiedError(local_rank, exitcode))
 
-    def _on_failure(self, error: ExecutorFailedError) -> None:
+    def _on_failure(self, error: Exception) -> None:
         # Wake every blocked wait; they raise RingClosed or Cancelled -> the error.
-        self._failed.set()
+        # (The leader wakes its own: it shares the failure.)
         if self._bcast is not None and self._bcast.ring is not None:
             self._bcast.ring.abort()
         for rx in self._receivers:
             rx.abort()
-        if self._leader is not None:
-            self._leader.external_failure(error)
         for fut in list(self._pending):
             try:
                 fut.set_exception(error)
@@ -802,7 +639,7 @@ class MultiprocExecutor(Executor):
                     self._seq -= 1
                 raise TimeoutError(f"collective_rpc({method!r}) timed out sending: {e}") from None
             except (RingClosed, Cancelled):
-                raise self._failure or ZbusError("executor is shut down") from None
+                raise self.failure.error or ZbusError("executor is shut down") from None
         finally:
             self._send_lock.release()
         if non_block:
@@ -819,7 +656,8 @@ class MultiprocExecutor(Executor):
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
         queued = (lambda: self._leader.sent(self._seq, frames)) if self._leader is not None else None
-        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self._failed, lock, queued)
+        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self.failure.cancel, lock,
+                                   queued)
 
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets
@@ -860,7 +698,7 @@ class MultiprocExecutor(Executor):
             try:
                 reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"), want=head.seq)
             except RingClosed:
-                raise self._failure or ZbusError("executor is shut down") from None
+                raise self.failure.error or ZbusError("executor is shut down") from None
             except CodecError as e:  # consumed but not decodable here: the caller gets why
                 reply = [rank, head.seq, protocol.RAISED,
                          codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]
@@ -877,7 +715,7 @@ class MultiprocExecutor(Executor):
         if not (type(reply) is list and len(reply) == 4 and reply[0] == rank and reply[1] == head.seq):
             error = ExecutorFailedError(f"protocol error: expected the reply to call {head.seq} from "
                                         f"rank {rank}, got {str(reply)[:200]}")
-            self._fail(error)
+            self.failure.fail(error)
             raise error
         head.replies[rank] = (reply[2], reply[3])
 
@@ -891,6 +729,7 @@ class MultiprocExecutor(Executor):
             if self._closed:
                 return
             self._closed = True
+        self.failure.close()  # exits from now on are expected
         self._completer.stop()
         # Names first: every process mapped them at start, and a driver killed while
         # it waits for its workers below must not leave a name behind.
@@ -900,7 +739,7 @@ class MultiprocExecutor(Executor):
             shm.unlink(h.name)
         sending = self._send_lock.acquire(timeout=1.0)
         if not sending:  # a caller is blocked sending: cancel it, it raises ZbusError
-            self._failed.set()
+            self.failure.cancel_waits()
             sending = self._send_lock.acquire(timeout=5.0)
         try:  # holding the send lock: no new call starts (callers re-check _closed)
             self._stop_workers(sending)
@@ -925,15 +764,15 @@ class MultiprocExecutor(Executor):
         if can_send:
             try:
                 stop = codec.encode([protocol.STOP])
-                if self._failure is None:
+                if self.failure.error is None:
                     self._publish(stop, deadline_of(1.0))
-                elif self._leader is not None:
-                    self._leader.publish_remote(stop, deadline_of(1.0))
+                elif self._leader is not None and not self._leader.try_publish_to_nodes(stop, 1.0):
+                    log.warning("STOP not sent to the nodes: they end on the leader's 'failed'")
             except (TimeoutError, RingClosed, Cancelled):
                 pass
-        if self._leader is not None and self._failure is None:
+        if self._leader is not None and self.failure.error is None:
             self._leader.say_bye()  # the nodes are done: none waits on our own workers' stop
-        workers.stop(grace=5.0 if self._failure is None else 0.5)
+        workers.stop(grace=5.0 if self.failure.error is None else 0.5)
 
     def _wake_callers(self) -> None:
         """Fail the pending calls and wake every blocked wait: a send is cancelled,
@@ -941,10 +780,10 @@ class MultiprocExecutor(Executor):
         error = ZbusError("executor is shut down")
         for fut in list(self._pending):
             try:
-                fut.set_exception(self._failure or error)
+                fut.set_exception(self.failure.error or error)
             except concurrent.futures.InvalidStateError:
                 pass
-        self._failed.set()
+        self.failure.cancel_waits()
         for rx in self._receivers:
             rx.abort()
         if self._leader is not None:
@@ -952,7 +791,7 @@ class MultiprocExecutor(Executor):
 
     def _free(self) -> None:
         self._pending.clear()
-        for rx in self._receivers:
+        for rx in self._receivers[:self.nproc_per_node]:  # the rest are the leader's (aborted)
             rx.close()
         for h in self._resp_handles:
             shm.unlink(h.name)

@@ -33,6 +33,9 @@ import msgpack
 from . import codec
 from .errors import CodecError
 
+# Checked at a node's join: 2: calls say which replies the driver has; heartbeats
+# name the last call relayed.
+PROTOCOL_VERSION = 2
 CALL, STOP = 1, 2
 NO_ARGS = codec.encode(((), {}))[0]  # the arguments of most calls, encoded once
 READY = -1
@@ -67,16 +70,21 @@ PARTS = b"*"  # a topic's suffix: the frames come in parts
 
 def in_parts(frames: list) -> tuple[bytes, list]:
     """(the part counts frame, the frames with each over ``PART_BYTES`` but the
-    envelope cut in parts); (b"", frames) when none is."""
-    views = [memoryview(f).cast("B") for f in frames]
-    if all(v.nbytes <= PART_BYTES for v in views[1:]):
+    envelope cut in parts); (b"", frames) when none is. Sizes first: a small call
+    (the most) makes no view of its frames."""
+    if all(_nbytes(f) <= PART_BYTES for f in frames[1:]):
         return b"", frames
+    views = [memoryview(f).cast("B") for f in frames]
     counts, parts = [], []
     for i, v in enumerate(views):
         n = 1 if i == 0 else max(1, -(-v.nbytes // PART_BYTES))  # the envelope stays whole
         counts.append(n)
         parts.extend([v] if n == 1 else (v[i * PART_BYTES:(i + 1) * PART_BYTES] for i in range(n)))
     return msgpack.packb(counts), parts
+
+
+def _nbytes(frame: Any) -> int:
+    return len(frame) if type(frame) is bytes else memoryview(frame).nbytes
 
 
 def from_parts(counts_frame: Any, parts: list) -> list:

@@ -50,16 +50,17 @@ def bind(sock: zmq.Socket, host: str, port: int = 0, port_range: tuple[int, int]
     if ":" in host:  # an IPv6 address: ZeroMQ refuses it unless told
         sock.setsockopt(zmq.IPV6, 1)
     if port:
-        sock.bind(f"tcp://{_bracket(host)}:{port}")
+        sock.bind(f"tcp://{bracket(host)}:{port}")
         return port
     if port_range:
-        return sock.bind_to_random_port(f"tcp://{_bracket(host)}", port_range[0], port_range[1] + 1,
+        return sock.bind_to_random_port(f"tcp://{bracket(host)}", port_range[0], port_range[1] + 1,
                                         max_tries=4 * (port_range[1] - port_range[0] + 1))
-    sock.bind(f"tcp://{_bracket(host)}:*")
+    sock.bind(f"tcp://{bracket(host)}:*")
     return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
 
 
-def _bracket(host: str) -> str:
+def bracket(host: str) -> str:
+    """``host`` as a ZeroMQ or URL address takes it: an IPv6 address in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
@@ -83,6 +84,19 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
             sock.send(frame, flags | zmq.NOBLOCK, copy=True)
         except zmq.Again:
             _send_waiting(sock, frame, flags, deadline, what, cancel)
+
+
+def send_message(sock: zmq.Socket, obj: Any, timeout: float, what: str,
+                 topic: bytes | None = None) -> bool:
+    """Encode ``obj`` and send it (after ``topic``, if given) within ``timeout``
+    seconds: a control message, small and never urgent. Whether it was sent (False:
+    the peer took nothing in time)."""
+    frames = codec.encode(obj)
+    try:
+        send_frames(sock, frames if topic is None else [topic, *frames], deadline_of(timeout), what)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | None, what: str,

@@ -236,23 +236,21 @@ class RingWriter(_Ring):
         self._seq = self._q[_W_WSEQ]
         self._pending: tuple[list[memoryview], int] | None = None
         self._min_read = 0
-        self._slowest = 0
         self._reader_flags = [(_reader_off(r) + 8) // 4 for r in range(self.n_readers)]
         self._bell = shm.Doorbell(self._bell_prefix + "w", "the writer")
         self._buf = seg.buf
 
     def _refresh_min_read(self) -> int:
         q, i = self._q, self._i
-        best, slowest = None, self._slowest
+        best = None
         for r in range(self.n_readers):
             off = _reader_off(r)
             if i[off // 4 + 3]:  # detached
                 continue
             v = q[off // 8]
             if best is None or v < best:
-                best, slowest = v, r
+                best = v
         self._min_read = self._seq if best is None else best
-        self._slowest = slowest
         return self._min_read
 
     def _has_space(self) -> bool:

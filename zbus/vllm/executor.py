@@ -41,12 +41,9 @@ class ZbusExecutor(VllmExecutor):
                              f"ZBUS_NNODES={nnodes} nodes")
         # the first TP worker of the last PP stage, as vLLM's own executor
         self.output_rank = self.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
-        self._failure_callback: Callable[[], None] | None = None
-        self._failed = False
         self._zbus = Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
                               output_rank=self.output_rank, poll_after_call_s=POLL_BETWEEN_STEPS_S)
         try:
-            self._zbus.register_failure_callback(self._on_failure)
             self.collective_rpc("init_worker", args=(self.vllm_config,))
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
@@ -112,16 +109,9 @@ class ZbusExecutor(VllmExecutor):
         self.collective_rpc("check_health", timeout=10)
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
-        if self._failed:
-            callback()
-        else:
-            self._failure_callback = callback
-
-    def _on_failure(self) -> None:
-        self._failed = True
-        log.error("zbus executor failed: %s", self._zbus.status().get("failed"))
-        if self._failure_callback is not None:
-            self._failure_callback()
+        """Call ``callback()`` once when the cluster fails (at once if it has): the
+        zbus executor's failure is the one state (it logs the error)."""
+        self._zbus.register_failure_callback(callback)
 
     def shutdown(self) -> None:
         """Ask the workers to shut vLLM down, then stop every process and free every
@@ -130,7 +120,7 @@ class ZbusExecutor(VllmExecutor):
         if zbus is None:
             return
         started = time.monotonic()
-        if not self._failed:
+        if zbus.failure.error is None:  # failed: no worker may be there to answer
             try:
                 zbus.collective_rpc("shutdown", timeout=10)
             except (ZbusError, TimeoutError) as e:

@@ -1,0 +1,78 @@
+"""The one failure state of an executor and its leader.
+
+Every error path (a worker's death, a node lost or refused, the leader's I/O
+failing, a protocol error, the completer failing) goes through :meth:`Failure.fail`,
+so that the first error is the one every caller, future, callback and node sees.
+The executor makes it and hands it to its :class:`zbus.cluster.Leader`: there is
+nothing to propagate between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[Exception], None]
+
+
+class Failure:
+    """The first error, an event for blocked waits, and what to run once failed.
+
+    ``cancel`` is set by the failure, or by a shutdown that must wake its blocked
+    callers (:meth:`cancel_waits`): it is what every blocked wait watches, so it
+    alone does not mean failed; ``error`` does. Once :meth:`close` is called
+    (shutting down: workers exiting is expected) nothing fails any more."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callback] = []
+        self._closed = False
+        self.error: Exception | None = None
+        self.cancel = threading.Event()
+
+    def fail(self, error: Exception) -> bool:
+        """Fail with ``error`` unless failed or closed already (the first error wins);
+        whether this call did. Sets ``cancel``, then runs each callback once, in
+        the order they came, outside the lock (a callback may call back in)."""
+        with self._lock:
+            if self.error is not None or self._closed:
+                return False
+            self.error = error
+            callbacks, self._callbacks = self._callbacks, []
+        log.error("executor failed: %s", error)
+        self.cancel.set()
+        for callback in callbacks:
+            _run(callback, error)
+        return True
+
+    def on_failure(self, callback: Callback) -> None:
+        """Run ``callback(error)`` once on failure: at once (in this thread) if failed."""
+        with self._lock:
+            if self.error is None:
+                self._callbacks.append(callback)
+                return
+        _run(callback, self.error)
+
+    def close(self) -> None:
+        """Shutting down: no error fails from now on (the callbacks never run)."""
+        with self._lock:
+            self._closed = True
+            self._callbacks = []
+
+    def cancel_waits(self) -> None:
+        """Wake every blocked wait (they raise), failed or not: a shutdown's last word."""
+        self.cancel.set()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _run(callback: Callback, error: Exception) -> None:
+    try:
+        callback(error)
+    except Exception:  # noqa: BLE001 - one callback's bug must not stop the others
+        log.exception("failure callback raised")

@@ -1,0 +1,155 @@
+"""A node's worker processes: started as fresh interpreters with torchrun's
+environment, watched through pidfds, stopped by pid. Used by the driver
+(:mod:`zbus.executor`) and by a follower's agent (:mod:`zbus.agent`), which must
+not import the driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+
+def _visible_gpus() -> list[str]:
+    """GPU ids this process may use, found without importing torch."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d for d in env.split(",") if d.strip()]
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return []
+    return sorted((n[6:] for n in names if n.startswith("nvidia") and n[6:].isdigit()), key=int)
+
+
+def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str, str]) -> dict:
+    """The environment of a worker process: torchrun's variables, one GPU each."""
+    env = dict(os.environ)
+    env.update(extra)
+    env.update({
+        "RANK": str(place["rank"]), "LOCAL_RANK": str(place["local_rank"]),
+        "WORLD_SIZE": str(place["world_size"]), "LOCAL_WORLD_SIZE": str(place["local_world_size"]),
+        "NODE_RANK": str(place["node_rank"]), "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    })
+    env.setdefault("OMP_NUM_THREADS", "1")
+    gpus = _visible_gpus()
+    if len(gpus) >= place["local_world_size"] and "CUDA_VISIBLE_DEVICES" not in extra:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[place["local_rank"]]
+    # The worker imports the user's modules the way the driver does.
+    paths = [p for p in (sys.path[0], env.get("PYTHONPATH", "")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def with_gloo_ifname(env: dict[str, str], ifname: str | None) -> dict[str, str]:
+    """``env`` with ``GLOO_SOCKET_IFNAME`` set to ``ifname`` (the interface that
+    routes to the leader) unless this process's environment or ``env`` sets it:
+    gloo would otherwise use the address of the host's name."""
+    if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    return env
+
+
+class LocalWorkers:
+    """Worker processes of one node: started as fresh interpreters (no fork),
+    watched through pidfds, ended by pid. ``on_death(local_rank, exitcode)`` runs
+    in the watcher thread when one exits unexpectedly."""
+
+    def __init__(self, places: list[dict], bcast: dict, responses: list[dict], segments: list[str],
+                 master_addr: str, master_port: int, extra_env: dict[str, str],
+                 on_death: Callable[[int, int | None], None]):
+        death_r, self._death_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe()
+        self.procs: list[subprocess.Popen] = []
+        self._on_death = on_death
+        self.stopping = False
+        try:
+            for place, resp in zip(places, responses):
+                info = dict(place, bcast=bcast, resp=resp, death_fd=death_r, segments=segments)
+                env = worker_env(place, master_addr, master_port, extra_env)
+                env["ZBUS_WORKER"] = json.dumps(info)
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", "from zbus.worker import main; main()"], env=env,
+                    pass_fds=(death_r,), stdin=subprocess.DEVNULL))
+        except BaseException:
+            os.close(death_r)
+            self.kill()
+            for fd in (self._death_w, self._stop_r, self._stop_w):
+                os.close(fd)
+            self._death_w = -1
+            raise
+        os.close(death_r)
+        self._thread = threading.Thread(target=self._watch, name="zbus-worker-monitor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        fds = {}
+        for i, p in enumerate(self.procs):
+            fd = os.pidfd_open(p.pid)
+            fds[fd] = i
+            poller.register(fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        try:
+            while fds:
+                for fd, _ in poller.poll():
+                    if fd == self._stop_r:
+                        return
+                    i = fds.pop(fd)
+                    poller.unregister(fd)
+                    os.close(fd)
+                    code = self.procs[i].wait()
+                    if not self.stopping:
+                        self._on_death(i, code)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def alive(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p.poll() is None]
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for every worker to exit; whether they all did."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def stop(self, grace: float = 5.0, term_s: float = 2.0) -> None:
+        """Workers were asked to stop: wait ``grace``, then SIGTERM and ``term_s``,
+        then SIGKILL."""
+        self.stopping = True
+        if not self.wait(grace):
+            for p in self.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            if not self.wait(term_s):
+                self.kill()
+        self.close()
+
+    def kill(self) -> None:
+        self.stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+    def close(self) -> None:
+        if self._death_w >= 0:
+            os.write(self._stop_w, b"x")
+            if hasattr(self, "_thread") and self._thread is not threading.current_thread():
+                self._thread.join(5)  # (a failure callback may call shutdown on this thread)
+            for fd in (self._death_w, self._stop_r, self._stop_w):
+                os.close(fd)
+            self._death_w = -1
