@@ -77,25 +77,6 @@ def test_non_blocking_futures_complete_by_themselves(ex):
     assert ex.collective_rpc("rank_value", args=(9,), timeout=10) == [90, 91]  # blocking, in between
     assert not concurrent.futures.wait(futs, timeout=30).not_done
     assert [f.result(0) for f in futs] == [[10 * i, 10 * i + 1] for i in range(50)]
-    futs = [ex.collective_rpc("rank_value", args=(i,), non_block=True) for i in range(5)]
-    assert [f.result(0) for f in concurrent.futures.as_completed(futs, timeout=10)]
-    polled = ex.collective_rpc("rank_value", args=(7,), non_block=True)
-    wait_until(polled.done, 10, "a future polled with done() completes")
-    assert polled.result(0) == [70, 71]
-
-
-def test_calls_whose_results_are_asked_for_never_wake_the_completer():
-    """An engine asks for every step's result; nobody else waits. The background
-    thread that completes calls nobody asks for must then never run: its wake-ups
-    take the interpreter from the engine's thread on every step. Sabotage: the
-    completer woken on every non-blocking call (as it was) → its thread exists."""
-    with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
-        for i in range(200):
-            fut = ex.collective_rpc("rank_value", args=(i,), non_block=True)
-            if i % 2:
-                time.sleep(0.003)  # past the completer's grace: it would take over
-            assert fut.result(timeout=10) == [10 * i, 10 * i + 1]
-        assert ex._completer._thread is None
 
 
 def test_a_call_is_not_held_back_by_the_next_one(ex, monkeypatch):
@@ -352,12 +333,12 @@ def test_inproc_backend_same_api():
 def test_shutdown_is_idempotent_and_frees_everything():
     before = zbus_segments()
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
-    assert len(own_segments(zbus_segments() - before)) == 3  # broadcast ring + one response queue each
+    assert len(zbus_segments() - before) == 3  # broadcast ring + one response queue each
     procs = list(ex._workers.procs)
     ex.shutdown()
     ex.shutdown()
     assert all(p.poll() == 0 for p in procs)  # asked to stop: clean exit
-    assert own_segments(zbus_segments() - before) == set()  # (other runs' come and go meanwhile)
+    assert zbus_segments() - before == set()  # (other processes may remove theirs meanwhile)
     with pytest.raises(zbus.ZbusError, match="shut down"):
         ex.collective_rpc("noop")
 
@@ -397,7 +378,7 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory():
             time.sleep(0.05)
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                        for p in pids)
-        assert own_segments(zbus_segments() - before) == set()  # (other runs' come and go meanwhile)
+        assert zbus_segments() - before == set()  # (other processes may remove theirs meanwhile)
     finally:
         end_process(proc)
 

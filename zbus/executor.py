@@ -58,39 +58,23 @@ class RpcFuture(concurrent.futures.Future):
     def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool):
         super().__init__()
         started = time.perf_counter()
-        super().add_done_callback(lambda f: executor.metrics.rpc_done(
+        self.add_done_callback(lambda f: executor.metrics.rpc_done(
             time.perf_counter() - started, f.exception(0)))
         self._executor = executor
         self.seq = seq
         self.reply_ranks = list(reply_ranks)
         self.unique = unique
         self.replies: dict[int, tuple[int, Any]] = {}
-        self._waiters = _Watched(self)  # concurrent.futures.wait() and as_completed() wait here
 
     def result(self, timeout: float | None = None) -> Any:
-        if not super().done():
+        if not self.done():
             self._executor._complete_until(self, deadline_of(timeout))
         return super().result(0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not super().done():
+        if not self.done():
             self._executor._complete_until(self, deadline_of(timeout))
         return super().exception(0)
-
-    def settled(self) -> bool:
-        """``done()`` for the executor itself, which never asks for completion."""
-        return super().done()
-
-    # Someone waits without calling result(): the executor completes the call by itself.
-    def done(self) -> bool:
-        if super().done():
-            return True
-        self._executor._watch()
-        return False
-
-    def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
-        super().add_done_callback(fn)
-        self._executor._watch()
 
     def _finish(self) -> None:
         """All replies are in: set the result (rank order) or the first error."""
@@ -106,19 +90,6 @@ class RpcFuture(concurrent.futures.Future):
                 self.set_exception(RemoteError(rank, value.type_name, value.message, value.traceback))
                 return
         self.set_result(values[0] if self.unique else values)
-
-
-class _Watched(list):
-    """A future's waiters (``concurrent.futures.wait`` adds one): adding one means
-    someone waits for the future without calling ``result()``."""
-
-    def __init__(self, future: RpcFuture):
-        super().__init__()
-        self._future = future
-
-    def append(self, waiter: Any) -> None:
-        super().append(waiter)
-        self._future._executor._watch()
 
 
 def method_name(method: str | Callable) -> str:
@@ -271,9 +242,6 @@ class Executor:
     def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
         raise NotImplementedError
 
-    def _watch(self) -> None:
-        """Someone waits for a call without calling ``result()``."""
-
 
 class InprocExecutor(Executor):
     """One worker in the driver process: same API and futures, no processes and no
@@ -347,16 +315,13 @@ def reserve_port(host: str) -> int:
 
 class Completer:
     """Completes non-blocking calls in the background, so that their futures finish
-    with nobody calling ``result()``: once someone waits for one otherwise (``done()``,
-    ``add_done_callback``, ``concurrent.futures.wait``, ``asyncio.wrap_future``).
-    Until then this thread sleeps: an engine that calls ``result()`` on every step
-    pays no wake-up of it. It reads replies only while no caller holds the reply
-    lock (a caller blocked in ``result()`` reads them itself, the faster path), in
-    slices so that it never holds the lock for long, and hands the lock over as
-    soon as the call it reads is complete and a caller waits for it: an engine
-    waiting for step N must not also wait for step N+1. It leaves a new call to
-    its caller for ``GRACE_S`` first: a caller that asks at once then waits one
-    wake-up, not two."""
+    with nobody calling ``result()``. It reads replies only while such a call is
+    undone and no caller holds the reply lock (a caller blocked in ``result()``
+    reads them itself, the faster path), in slices so that it never holds the lock
+    for long. It leaves a new call to its caller for ``GRACE_S`` first: a caller
+    that asks at once (an engine's step) then waits one wake-up, not two. It hands
+    the lock over as soon as the call it reads is complete and a caller waits for
+    it: an engine waiting for step N must not also wait for step N+1."""
 
     SLICE_S = 0.05
     GRACE_S = 0.002
@@ -365,37 +330,27 @@ class Completer:
         self._executor = executor
         self._cond = threading.Condition()
         self._undone = 0
-        self._watched = False  # someone waits for an undone call without result()
         self._callers = 0  # callers waiting for the reply lock
         self._last_add = 0.0
         self._stopped = False
         self._thread: threading.Thread | None = None
 
     def add(self, future: RpcFuture) -> None:
-        """Count ``future`` (it was sent) until it is done."""
+        """Complete ``future`` in the background (it was sent)."""
         with self._cond:
             if self._stopped:
                 return
             self._undone += 1
             self._last_add = time.monotonic()
-        concurrent.futures.Future.add_done_callback(future, self._done)
-
-    def watch(self) -> None:
-        """Someone waits without ``result()``: complete the undone calls."""
-        with self._cond:
-            if self._stopped or self._watched:
-                return
-            self._watched = True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="zbus-completer", daemon=True)
                 self._thread.start()
             self._cond.notify()
+        future.add_done_callback(self._done)
 
     def _done(self, _future: RpcFuture) -> None:
         with self._cond:
             self._undone -= 1
-            if not self._undone:
-                self._watched = False
 
     def acquire_for_caller(self, lock: threading.Lock, timeout: float) -> bool:
         """``lock.acquire(timeout)`` for a caller, which this thread then lets have it."""
@@ -420,11 +375,10 @@ class Completer:
     def _busy(self) -> bool:
         with self._cond:
             while not self._stopped:
-                wanted = self._watched and self._undone > 0 and not self._callers
                 grace = self._last_add + self.GRACE_S - time.monotonic()
-                if wanted and grace <= 0:
+                if self._undone > 0 and grace <= 0 and not self._callers:
                     return True
-                self._cond.wait(grace if wanted else None)
+                self._cond.wait(grace if self._undone > 0 and not self._callers else None)
             return False
 
     def _run(self) -> None:
@@ -677,15 +631,12 @@ class MultiprocExecutor(Executor):
         finally:
             self._recv_lock.release()
 
-    def _watch(self) -> None:
-        self._completer.watch()
-
     def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
         left = remaining(deadline, "collective_rpc")
         if not self._completer.acquire_for_caller(self._recv_lock, -1 if left is None else left):
             raise TimeoutError("collective_rpc timed out waiting for replies")
         try:
-            while not future.settled() and self._pending:
+            while not future.done() and self._pending:
                 self._complete_head(deadline)
         finally:
             self._recv_lock.release()
@@ -705,7 +656,7 @@ class MultiprocExecutor(Executor):
             self._accept(head, rank, reply)
         self._pending.popleft()
         self._answered = head.seq
-        if not head.settled():
+        if not head.done():
             try:
                 head._finish()
             except concurrent.futures.InvalidStateError:  # failed meanwhile by the monitor
