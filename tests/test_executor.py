@@ -77,6 +77,11 @@ def test_non_blocking_futures_complete_by_themselves(ex):
     assert ex.collective_rpc("rank_value", args=(9,), timeout=10) == [90, 91]  # blocking, in between
     assert not concurrent.futures.wait(futs, timeout=30).not_done
     assert [f.result(0) for f in futs] == [[10 * i, 10 * i + 1] for i in range(50)]
+    futs = [ex.collective_rpc("rank_value", args=(i,), non_block=True) for i in range(5)]
+    assert [f.result(0) for f in concurrent.futures.as_completed(futs, timeout=10)]
+    polled = ex.collective_rpc("rank_value", args=(7,), non_block=True)
+    wait_until(polled.done, 10, "a future polled with done() completes")
+    assert polled.result(0) == [70, 71]
 
 
 def test_a_call_is_not_held_back_by_the_next_one(ex, monkeypatch):
