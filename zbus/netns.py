@@ -121,10 +121,11 @@ class NetnsCluster:
             _ip("-n", node.ns, "addr", "add", f"{node.address}/24", "dev", "eth0")
             _ip("-n", node.ns, "link", "set", "eth0", "up")
             _ip("-n", node.ns, "link", "set", "lo", "up")
+            # The sentinel lives as long as the cluster: a soak runs for more than an hour.
             node.sentinel = subprocess.Popen(
                 ["ip", "netns", "exec", node.ns, "unshare", "--mount", "--uts", "--propagation",
                  "private", "sh", "-c", "mount -t tmpfs -o size=512m zbus-shm /dev/shm && "
-                 f"hostname {node.name} && echo ready && exec sleep 3600"],
+                 f"hostname {node.name} && echo ready && exec sleep infinity"],
                 stdout=subprocess.PIPE, text=True)
             if node.sentinel.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"node {node.name} did not start")
