@@ -130,6 +130,7 @@ class ZbusExecutor(VllmExecutor):
         # zbus stops the workers, and a killed worker cannot remove its own.
         remove_cpu_shm(zbus.torch_port, 0)
         zbus.shutdown()
+        remove_cpu_shm(zbus.torch_port, 0)  # and any a worker made while it was stopping
         log.info("zbus shut down in %.2f s", time.monotonic() - started)
 
     @classmethod
