@@ -388,6 +388,30 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory():
         end_process(proc)
 
 
+def test_workers_orphaned_inside_a_call_run_their_atexit_hooks(tmp_path):
+    """A library's clean-up registered with ``atexit`` (vLLM's CPU all-reduce removes
+    its shared memory so) still runs when the driver is SIGKILLed while the workers
+    are busy in a call. Sabotage: an orphaned worker that ends with ``os._exit`` at
+    once leaves no mark."""
+    mark = tmp_path / "exit"
+    proc = spawn_python(
+        "import zbus, workers, time, sys\n"
+        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
+        "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
+        "ex.collective_rpc('mark_at_exit', args=(sys.argv[1],))\n"
+        "ex.collective_rpc('sleep_marked', args=(sys.argv[1] + '.busy', 60), non_block=True)\n"
+        "time.sleep(60)\n", str(mark), stdout=subprocess.PIPE)
+    try:
+        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        wait_until(lambda: all(os.path.exists(f"{mark}.busy.{r}") for r in (0, 1)), 60, "calls begun")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert psutil.wait_procs(workers, timeout=10)[1] == []
+        assert all(os.path.exists(f"{mark}.{r}") for r in (0, 1))
+    finally:
+        end_process(proc)
+
+
 def test_torch_distributed_all_reduce_across_workers():
     pytest.importorskip("torch")
     with zbus.Executor(workers.DistWorker, nproc_per_node=2, startup_timeout=120) as ex:

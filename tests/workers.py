@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
 import signal
@@ -66,6 +67,10 @@ class EchoWorker(zbus.Worker):
             pass
         time.sleep(seconds)
         return self.rank
+
+    def mark_at_exit(self, path):
+        """Make ``path.<rank>`` when this process runs its ``atexit`` hooks."""
+        atexit.register(lambda: open(f"{path}.{self.rank}", "w").close())
 
     def stubborn_sleep(self, seconds):
         """Sleep deaf to SIGTERM, as a worker stuck in native code: it ends by SIGKILL,

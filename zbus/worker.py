@@ -9,6 +9,7 @@ broadcast message, answers READY, then serves calls until told to stop.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import importlib
@@ -191,9 +192,16 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     return True
 
 
+# How long an orphaned worker gives its ``atexit`` hooks: its main thread may be stuck
+# (in a collective with a dead peer, say), so they run on the watching thread.
+ORPHAN_EXIT_S = 1.0
+
+
 def _watch_death_pipe(fd: int, segments: list[str]) -> None:
     """Block until the driver's end of the pipe closes (it exited, even by SIGKILL),
-    then remove the driver's segments and end this process."""
+    then remove the driver's segments, run this process's ``atexit`` hooks
+    (:data:`ORPHAN_EXIT_S` at most: a library's own clean-up, such as its shared
+    memory, still happens) and end this process."""
     try:
         while os.read(fd, 1):
             pass
@@ -202,6 +210,9 @@ def _watch_death_pipe(fd: int, segments: list[str]) -> None:
     for name in segments:
         shm.unlink(name)
     log.error("parent process (driver or node agent) is gone: exiting")
+    hooks = threading.Thread(target=atexit._run_exitfuncs, name="zbus-atexit", daemon=True)
+    hooks.start()
+    hooks.join(ORPHAN_EXIT_S)
     os._exit(3)
 
 

@@ -48,8 +48,9 @@ class VllmWorker(Worker):
             "is_driver_worker": self.rank % tp == 0,
         }
         self.wrapper.init_worker(kwargs)
-        if self.local_rank == 0:  # at a clean exit, as at a stop by signal
-            atexit.register(remove_cpu_shm, os.environ["MASTER_PORT"], self.node_rank)
+        # at a clean exit, a stop by signal, or an orphaned exit; by every worker, as
+        # any of them may be the one killed
+        atexit.register(remove_cpu_shm, os.environ["MASTER_PORT"], self.node_rank)
 
     def execute_model(self, scheduler_output: Any) -> Any:
         return self._output(self.wrapper.execute_model(scheduler_output))
