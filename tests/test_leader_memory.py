@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 import workers
-from conftest import end_process
+from conftest import end_process, wait_until
 from test_cluster import TEST_PATH, follower, free_port_pair
 
 import zbus
@@ -255,11 +255,14 @@ def test_big_join_requests_are_dropped_while_the_cluster_forms():
     leader.start()
     proc = None
     try:
-        time.sleep(1.0)
+        def dropped() -> int:  # the leader answers status while it forms (and counts drops)
+            return cluster.query_status("127.0.0.1", port, timeout=30)["dropped_frames"]
+
+        dropped()  # it reads its sockets
         for mode, size in (("join", MiB), ("joinmaps", 16 * 2**10)):
             sender = flood(port, mode, 300, size)
             assert sender.wait(120) == 0
-        time.sleep(2.0)  # the leader reads them meanwhile
+        wait_until(lambda: dropped() >= 600, 60, "600 joins dropped while forming")
         growth = rss.stop()
         proc = follower(port, "--node-rank", "1")
         leader.join(90)
