@@ -42,7 +42,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import TEST_PATH, end_process
+from conftest import TEST_PATH, end_process, wait_until
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 from test_cluster import free_port_pair
@@ -480,7 +480,8 @@ def leader(live):
     """The module's cluster, checked after each test: heartbeats, a call, memory."""
     first = live.ask(op="stats")
     yield live
-    time.sleep(0.5)
+    wait_until(lambda: live.ask(op="stats")["heartbeats"] > first["heartbeats"], 10,
+               "node 1's heartbeats go on")
     done = live.ask(op="call", x=2)
     assert done["result"] == [20, 21]
     assert done["heartbeats"] > first["heartbeats"], "node 1's heartbeats stopped"
@@ -641,7 +642,7 @@ def test_leader_xpub_port_and_raw_tcp_bytes(leader, messages, garbage):
     for port in (leader.port, leader.port + 1):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
             raw.sendall(garbage)
-    time.sleep(0.2)
+    time.sleep(0.2)  # none may be counted: the time a wrong count would take to show
     stats = leader.ask(op="stats")
     assert stats["dropped"] == leader.expected
     leader.check(stats)
