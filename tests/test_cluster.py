@@ -526,7 +526,8 @@ def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
     bug or a message that breaks a handler would raise), are logged and counted;
     heartbeats go on. Fails if the I/O loop catches only ZMQError, or if a dropped
     message is formatted with str() of the whole value."""
-    from zbus.cluster import ClusterSettings, Leader, brief
+    from zbus.cluster import ClusterSettings, brief
+    from zbus.leader import Leader
     from zbus.queues import Broadcaster
 
     assert len(brief([[[[list(range(1000))]]]] * 1000)) < 200
@@ -542,7 +543,7 @@ def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
     sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     try:
         broken = {"n": 0}
-        real = lead._read_subscriptions
+        real = lead.membership._read_subscriptions
 
         def flaky():
             if broken["n"] < 3:
@@ -550,7 +551,7 @@ def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
                 raise RecursionError("maximum recursion depth exceeded")
             real()
 
-        lead._read_subscriptions = flaky
+        lead.membership._read_subscriptions = flaky
         lead.start()
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC_HEARTBEAT)
         sub.connect(f"tcp://127.0.0.1:{port}")
@@ -565,7 +566,7 @@ def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
                 sub.recv_multipart()
                 beats += 1
         assert beats >= 5, "heartbeats stopped"
-        assert broken["n"] == 3 and lead._thread.is_alive()
+        assert broken["n"] == 3 and lead.membership._thread.is_alive()
         assert lead.dropped >= 5 + 3
         assert lead.failure.error is None
     finally:
@@ -606,7 +607,7 @@ def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
     """Node 1's worker is SIGKILLed: the executor fails, and node 2's agent and
     worker end within a few seconds though the driver never calls ``shutdown``.
     Sabotage: keep heartbeating after a failure (``hb`` instead of ``failed`` in
-    ``Leader._step``): node 2 holds its worker until the driver shuts down."""
+    ``Membership._step``): node 2 holds its worker until the driver shuts down."""
     port = free_port_pair()
     procs = [follower(port, "--node-rank", "1"), follower(port, "--node-rank", "2")]
     try:
@@ -666,7 +667,7 @@ def test_replies_sent_again_are_taken_in_call_order_and_copies_dropped():
     ever. Sabotage: take the replies in the order they came, as before (in
     ``RemoteReceiver._take``: ``seq = next(iter(self._replies))``) → fails
     (call 2 gets call 3's reply)."""
-    from zbus.cluster import RemoteReceiver
+    from zbus.datapath import RemoteReceiver
 
     cond = threading.Condition()
     rx = RemoteReceiver(2, cond, try_read=lambda timeout: False, grace=0.3)  # nobody else reads a socket
@@ -693,7 +694,7 @@ def test_sent_calls_keep_what_a_node_may_lack_and_only_whole_runs_are_sent_again
     first; a run with a dropped call is not sent again. Sabotage: drop
     ``min(seq, self.last)`` in ``SentCalls.has`` (a peer names a call not yet
     sent) -> the next call's copy is forgotten at once and ``since(4)`` is None."""
-    from zbus.cluster import SentCalls
+    from zbus.datapath import SentCalls
 
     calls = SentCalls(limit=300)
     for seq in (1, 2, 3):

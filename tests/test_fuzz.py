@@ -519,7 +519,7 @@ CALL = st.integers(0, 10**6)
 def test_leader_drops_each_message_the_codec_refuses_once(leader, frames, i):
     """Frames named twice, sizes declared past the data, bad dtypes, shapes and
     strides: each envelope is refused by the codec and counted once.
-    Sabotage: drop the ``self._drop`` call of Leader._recv_control's CodecError
+    Sabotage: drop the ``self.drop`` call of DataPath._recv_control's CodecError
     branch (what has no reply head goes uncounted), or make RemoteReceiver.expects
     return True (the error reply to a call never sent is queued, uncounted, and
     fails the executor's next call with a protocol error). Each: 2 of 4 counted."""
@@ -557,7 +557,7 @@ def test_leader_memory_stays_bounded_under_many_small_objects(leader, frames, i)
 @given(frames=random_frames(), i=CALL)
 def test_leader_drops_random_bytes(leader, frames, i):
     """Some of these decode (``["died", 1]``), most do not; each is counted once.
-    Sabotage: replace the final ``self._drop`` of Leader._dispatch (an unknown or
+    Sabotage: replace the final ``self.path.drop`` of Membership.handle (an unknown or
     malformed control message) with ``pass`` (the first ``died`` report that
     decodes goes uncounted: 24 of 26 counted)."""
     leader.send(envelopes(frames, i))

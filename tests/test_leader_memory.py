@@ -20,7 +20,7 @@ from conftest import end_process, wait_until
 from test_cluster import TEST_PATH, follower, free_port_pair
 
 import zbus
-from zbus import cluster
+from zbus import cluster, datapath
 
 MiB = 2**20
 GROWTH_LIMIT = 64 * MiB
@@ -155,20 +155,20 @@ def test_control_backlog_is_bounded_in_bytes(monkeypatch):
     that only this bound applies) are dropped and counted (measured: 363 to 380
     dropped, peak growth 26 to 33 MiB: the backlog, PULL_RCVHWM messages inside
     ZeroMQ, and the allocator's slack).
-    Sabotage: remove the byte test from Leader._read_pull's backlog check (the
+    Sabotage: remove the byte test from DataPath._read_pull's backlog check (the
     backlog then keeps up to 4096 messages: none dropped, peak growth 397 to 404 MiB).
     Or leave the PULL socket's RCVHWM at ZeroMQ's default of 1000 (drop its
     setsockopt in Leader.__init__): ZeroMQ then queues the flood itself, peak
     growth 323 MiB."""
-    monkeypatch.setattr(cluster, "MAX_CONTROL_BYTES", 8 * MiB)
-    monkeypatch.setattr(cluster, "MAX_CONTROL_MESSAGE", 4 * MiB)  # only the backlog's bound applies
+    monkeypatch.setattr(datapath, "MAX_CONTROL_BYTES", 8 * MiB)
+    monkeypatch.setattr(datapath, "MAX_CONTROL_MESSAGE", 4 * MiB)  # only the backlog's bound applies
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")
     stall = threading.Event()
     try:
         with executor(port) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
-            handle = ex._leader._answer_status
+            handle = ex._leader.membership._answer_status
 
             def slow_status(token):
                 if stall.is_set():
@@ -176,7 +176,7 @@ def test_control_backlog_is_bounded_in_bytes(monkeypatch):
                 else:
                     handle(token)
 
-            ex._leader._answer_status = slow_status
+            ex._leader.membership._answer_status = slow_status
             stall.set()
             before = ex._leader.dropped
             rss = PeakRss()
@@ -237,7 +237,7 @@ def test_big_join_requests_are_dropped_while_the_cluster_forms():
     and counted (before, the leader kept the last 256 of either). The follower then
     joins (measured: 600 dropped, peak growth 5 MiB).
     Sabotage: remove the object_bytes test (``self._msg_bytes > MAX_CONTROL_MESSAGE``)
-    from Leader._recv_control (small joins are then kept as far as the control
+    from DataPath._recv_control (small joins are then kept as far as the control
     backlog's 64 MiB lets them through: 554 dropped, peak growth 39 MiB). Or remove
     both MAX_CONTROL_MESSAGE tests (the big joins too: 512 dropped, peak growth
     69 MiB)."""

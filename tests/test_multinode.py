@@ -177,7 +177,7 @@ def test_link_cut_shorter_than_the_limit_loses_nothing(cluster):
     stream, 8 in flight: every call is answered right, none fails, and at least
     one was handed over before the cut and answered only after the link came
     back, so calls did cross the cut. The link goes down once the driver says its
-    calls stream (8 answered). Sabotage: make ``Leader._check_liveness``
+    calls stream (8 answered). Sabotage: make ``Membership._check_liveness``
     give a node ``liveness_s / 4`` → fails with the driver's real error
     ("NodeLostError: node 2 (node2) lost: no heartbeat for 0.9 s"; the old driver
     died without output)."""
@@ -273,9 +273,9 @@ def test_calls_lost_in_a_reset_connection_are_sent_again(cluster, case):
     drops those it has. Every call is answered, right, in order, and none waits
     more than the liveness limit; the leader did send calls again (for
     ``replies``: dropped copies of replies it had, so the workers sent again).
-    Sabotage: ``Leader._resend`` returns False (the minimum: the node is
+    Sabotage: ``DataPath.resend`` returns False (the minimum: the node is
     failed): ``NodeLostError``; heartbeats without the number too (``["hb"]`` in
-    ``Leader._step``): the driver hangs; keep calls up to 1 MiB only (as before)
+    ``Membership._step``): the driver hangs; keep calls up to 1 MiB only (as before)
     → ``calls_over_1MiB`` fails with ``NodeLostError`` ("missed calls"); send no
     reply again (``ReplySender._send_again`` returns at once) → ``replies``
     fails: no copy dropped, and mostly before that the executor's protocol error

@@ -389,7 +389,7 @@ def test_publish_keeps_its_deadline_when_a_subscriber_stops_reading(ctx, peer, s
 @pytest.mark.timeout(30)
 def test_publish_keeps_its_deadline_while_a_control_send_holds_the_socket(ctx, peer):
     """The executor publishes under the leader's XPUB lock, which a heartbeat or
-    control send holds while it waits on a full node (``Leader._send_control``: up to its
+    control send holds while it waits on a full node (``DataPath.send_control``: up to its
     own timeout). A publish with timeout T then still returns within T + SLACK, at
     every size, with ``queued=False``.
 

@@ -18,7 +18,7 @@ from conftest import end_process, wait_until
 from test_cluster import follower, free_port_pair
 
 import zbus
-from zbus import cluster, codec, protocol
+from zbus import codec, datapath, protocol
 from zbus.curve import keygen
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
@@ -116,14 +116,14 @@ def test_unauthenticated_leader_warns_once_and_binds_only_its_address(caplog):
     the follower's tree left out) is one of exactly two: master_port and
     master_port + 1 on 127.0.0.1, no wildcard, no third port.
     Sabotage: bind the PULL socket to "0.0.0.0" instead of self.bind_ip in
-    Leader.__init__ (zbus/cluster.py), or have a worker listen on a port of its own
+    Leader.__init__ (zbus/leader.py), or have a worker listen on a port of its own
     (socket.create_server(("127.0.0.1", 0)) in Worker's start-up)."""
     import psutil
 
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")
     try:
-        with caplog.at_level(logging.WARNING, logger="zbus.cluster"):
+        with caplog.at_level(logging.WARNING, logger="zbus.leader"):
             with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
                                master_port=port, join_timeout=60) as ex:
                 ex.collective_rpc("noop", timeout=30)
@@ -185,7 +185,7 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
     ``_Decoder._ndarray`` → fails (a 40-byte message makes the leader allocate
     128 MiB, then it is dispatched). With the codec checks in place each of these
     fails earlier, at ``codec.decode``. Count no drop for a CodecError in
-    ``Leader._recv_control`` → fails on the first batch (the old
+    ``DataPath._recv_control`` → fails on the first batch (the old
     ``dropped >= 5000`` passed on the flood alone)."""
     for why, messages in CRAFTED.values():
         for frames in messages:
@@ -240,7 +240,7 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
                   {"bad-status": 2})
             for name, (_, messages) in CRAFTED.items():
                 # over 64 KiB and no reply: dropped unread (test_leader_memory.py)
-                big = sum(sum(map(len, m)) > cluster.MAX_CONTROL_MESSAGE for m in messages)
+                big = sum(sum(map(len, m)) > datapath.MAX_CONTROL_MESSAGE for m in messages)
                 counts = {"undecodable": len(messages) - big, "too-big": big}
                 batch(name, messages, {k: n for k, n in counts.items() if n})
             batch("a flood", [[b"\xc1flood"]] * 5000, {"undecodable": 5000})
@@ -298,9 +298,9 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     counted); no message may have broken a handler or the I/O loop (each would be
     counted as "handler" or "io-loop"); and rank 1 is the real node, not a
     fuzzed join. Sabotage: drop ``if type(node_id) is str`` in
-    ``Leader._on_refused`` → fails (143 "handler" drops: an unhashable node id
+    ``Membership._on_refused`` → fails (143 "handler" drops: an unhashable node id
     breaks it; the node still joins, so the old test passed); drop the type
-    checks at the top of ``Leader._on_join`` → fails (a join with a non-str id
+    checks at the top of ``Membership._on_join`` → fails (a join with a non-str id
     breaks every later welcome: the node never joins); have ``codec.encode``
     raise TypeError instead of CodecError for what it cannot encode, and fuzz a
     set → fails (the fuzz thread died after 8 messages; it was only a warning)."""
@@ -449,7 +449,7 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     node 1 (rank 1): all dropped and counted as ``not-owner``; its own heartbeat,
     sent after them, is not (a stray ``refused`` sent last marks when the leader
     has read them all: one connection's messages are read in order); the cluster
-    serves on. Sabotage: make Leader._sent_by_owner return True: fails (nothing
+    serves on. Sabotage: make DataPath._sent_by_owner return True: fails (nothing
     counted as ``not-owner``; the forged "died" fails the executor with
     WorkerDiedError)."""
     from zbus.curve import NodeCurve
@@ -482,7 +482,7 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
 def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkeypatch, caplog):
     """ZBUS_SECRET alone keys a 3-node cluster; rank 2's derived key claiming rank 1
     (a join, a reply, a death notice) is dropped. Sabotage: make
-    Leader._sent_by_owner return True: the forged "died" then fails the executor."""
+    DataPath._sent_by_owner return True: the forged "died" then fails the executor."""
     from zbus.curve import NodeCurve
 
     monkeypatch.setenv("ZBUS_SECRET", SECRET)
@@ -490,7 +490,7 @@ def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkey
     port = free_port_pair()
     procs = [follower(port, "--node-rank", str(r)) for r in (1, 2)]
     try:
-        with caplog.at_level(logging.INFO, logger="zbus.cluster"):
+        with caplog.at_level(logging.INFO, logger="zbus.leader"):
             with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
                                master_port=port, join_timeout=60) as ex:
                 assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]

@@ -21,7 +21,7 @@ being any 32 bytes. Each node rank still has its own key pair.
 
 Either way each node key is bound to one node rank (``node-<i>.key`` to rank i):
 the leader drops what a key sends for another node's ranks (see
-``zbus.cluster.Leader``), using the ZAP User-Id, the z85 public key, that libzmq
+``zbus.datapath.DataPath``), using the ZAP User-Id, the z85 public key, that libzmq
 attaches to every message received over an authenticated connection.
 """
 

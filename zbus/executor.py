@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .cluster import TOPIC_RPC, ClusterSettings, Leader, port_range, resolve_ip, route_to
+from .cluster import TOPIC_RPC, ClusterSettings, port_range, resolve_ip, route_to
 from .config import MAX_POLL_S
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
@@ -32,6 +32,7 @@ from .errors import (
     ZbusError,
 )
 from .failure import Failure
+from .leader import Leader
 from .metrics import Metrics, serve_prometheus
 from .processes import LocalWorkers, with_gloo_ifname
 from .queues import Broadcaster, ShmReceiver, deadline_of, remaining

@@ -3,7 +3,7 @@
 Every error path (a worker's death, a node lost or refused, the leader's I/O
 failing, a protocol error, the completer failing) goes through :meth:`Failure.fail`,
 so that the first error is the one every caller, future, callback and node sees.
-The executor makes it and hands it to its :class:`zbus.cluster.Leader`: there is
+The executor makes it and hands it to its :class:`zbus.leader.Leader`: there is
 nothing to propagate between them.
 """
 

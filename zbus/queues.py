@@ -324,7 +324,7 @@ class ReplySender(ZmqSender):
     replies, which each call's envelope tells), and a monitor thread sends every
     kept reply again as soon as the connection drops: they wait in ZeroMQ's queue
     and go out on the next connection. The leader drops the copies it already
-    has and puts late ones back in order (:class:`zbus.cluster.RemoteReceiver`).
+    has and puts late ones back in order (:class:`zbus.datapath.RemoteReceiver`).
     Copies beyond ``KEEP_REPLY_BYTES`` are dropped, oldest first."""
 
     def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64,

@@ -1,0 +1,555 @@
+"""The leader's data path: calls out to the nodes, replies back from them.
+
+Calls go out on the XPUB socket (topic ``R``; ``N<node id>R`` when a node lost
+some and asks for them again), each copy kept in :class:`SentCalls` until every
+node has it. Every remote rank's reply comes back on the PULL socket, into that
+rank's :class:`RemoteReceiver`. The PULL socket also carries the nodes' control
+messages, which :class:`zbus.membership.Membership` handles.
+
+The PULL socket is read under ``pull_lock`` by one thread at a time: by a caller
+waiting for replies (:meth:`DataPath.try_read_replies`), else by the I/O thread
+(:meth:`DataPath.read_unless_callers`). The reader files replies and heartbeats
+at once and leaves every other message to the I/O thread
+(:meth:`DataPath.handle_control`), which handles it with the socket released (so
+failures and admissions are handled in one place, and never keep a caller off
+the socket). The XPUB socket is shared under ``xpub_lock``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from . import codec, protocol
+from .cluster import TOPIC_RPC, ClusterSettings, brief, node_topic
+from .curve import LeaderCurve
+from .errors import CodecError, RingClosed
+from .metrics import Metrics
+from .queues import Broadcaster, deadline_of, remaining, send_frames, send_message
+
+log = logging.getLogger(__name__)
+
+# A message that is not a reply (a join, heartbeat, report, status request: each well
+# under 2 KiB) is dropped if it is bigger than this, or would decode into more (as
+# codec.object_bytes estimates): so the joins kept and the control backlog are
+# bounded in what they hold, not only in what arrived.
+MAX_CONTROL_MESSAGE = 64 * 2**10
+
+PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
+CALLERS_QUIET_S = 0.1  # the I/O thread reads the PULL socket once callers left it this long
+MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more are dropped
+# Messages ZeroMQ queues on the PULL socket for each connection (each worker and
+# each agent has its own, so the world size does not enter) before this process reads
+# them: a flooding peer waits on its own sends after these, and a busy leader holds at
+# most this many messages (and one being received) per connection. Real traffic does
+# not wait on it: a rank sends one reply per call and the leader reads all the time;
+# a worker queues 64 more replies on its own side first. 16 keeps small messages near
+# ZeroMQ's full rate (measured on loopback: 375,000/s per connection; 1: 85,000/s).
+PULL_RCVHWM = 16
+MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
+RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
+
+
+_INT_TYPES = frozenset([*range(0x00, 0x80), *range(0xcc, 0xd4), *range(0xe0, 0x100)])
+
+
+def _reply_head(frame: Any) -> list | None:
+    """``[rank, seq]`` if ``frame`` starts as a reply does (an array of 4, then two
+    ints), else None. Reads its first 24 bytes at most, builds nothing else."""
+    import msgpack
+
+    head = bytes(memoryview(frame)[:24])
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(head)
+    try:
+        if unpacker.read_array_header() != 4:
+            return None
+        rank_seq = []
+        for _ in range(2):
+            if head[unpacker.tell()] not in _INT_TYPES:
+                return None
+            rank_seq.append(unpacker.unpack())
+    except Exception:  # noqa: BLE001 - not even the envelope: plain garbage
+        return None
+    return rank_seq
+
+
+def _undecodable_reply(frames: list, error: Exception) -> list | None:
+    """A worker's reply whose value cannot be decoded here (a type the driver
+    never registered, say) becomes an error reply for that call, so the caller
+    learns why instead of waiting; anything else is None (dropped). Only the
+    head is read: the rest is what the codec refused, maybe for what it would build."""
+    head = _reply_head(frames[0]) if frames else None
+    if head is None:
+        return None
+    info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {error}")
+    return [*head, protocol.RAISED, info]
+
+
+
+class RemoteReceiver:
+    """Replies of one remote rank, by call number; the same ``get``/``poll``
+    interface as the shared-memory response queue, told the call the caller
+    wants (``want``). A thread waiting here reads the leader's PULL socket itself
+    when no other thread is (``try_read``), so a reply reaches it with no hand-over
+    between threads; else the reading thread files replies here.
+
+    A reply may come twice, or after later ones: its worker sends again what it
+    kept when its connection drops (:class:`zbus.queues.ReplySender`). A copy of
+    a reply here or taken is dropped (counted in ``again``); ``get`` waits for
+    the reply it wants. If later replies came and that one does not within
+    ``grace`` seconds, the earliest is returned, and the caller's check fails on
+    it (a reply that will never come) instead of waiting for ever."""
+
+    def __init__(self, rank: int, cond: threading.Condition, try_read: Callable[[float], bool],
+                 grace: float = 10.0, next_seq: Callable[[], int] | None = None):
+        self.rank = rank
+        self._cond = cond
+        self._try_read = try_read  # reads the socket here; False if another thread reads it
+        self._grace = grace
+        self._next_seq = next_seq  # the highest call number a reply may answer now
+        self._replies: dict[int, Any] = {}  # call number: reply
+        self._taken = protocol.READY - 1  # the last call number taken
+        self._overtaken: float | None = None  # since when the wanted reply is overtaken
+        self._aborted = False
+        self.again = 0  # replies dropped as copies
+
+    def expects(self, seq: Any) -> bool:  # called with the condition held
+        """Whether a reply to call ``seq`` can be a real one, or a copy of one: READY,
+        or a call already sent. A copy is counted and not kept (:meth:`put`), so
+        what is kept is bounded by the calls in flight, whatever a peer sends."""
+        if type(seq) is not int:
+            return False
+        return seq == protocol.READY or 0 < seq <= (
+            self._next_seq() if self._next_seq is not None else seq)
+
+    def put(self, reply: Any) -> None:  # called with the condition held
+        seq = reply[1]
+        if seq <= self._taken or seq in self._replies:
+            self.again += 1
+        else:
+            self._replies[seq] = reply
+
+    def _take(self, want: int | None) -> Any:
+        """The reply for ``want`` (any: the earliest), or None (condition held)."""
+        if want is not None and want in self._replies:
+            seq = want
+        elif not self._replies:
+            return None
+        else:
+            seq = min(self._replies)
+            if want is not None and seq > want:  # overtaken: sent again, or never
+                now = time.monotonic()
+                self._overtaken = self._overtaken or now
+                if now - self._overtaken < self._grace:
+                    return None
+        self._overtaken = None
+        self._taken = max(self._taken, seq)
+        return self._replies.pop(seq)
+
+    def _ready(self, want: int | None) -> bool:
+        return want in self._replies if want is not None else bool(self._replies)
+
+    def poll(self, want: int | None = None) -> bool:
+        if not self._ready(want):
+            self._try_read(0.0)
+        return self._ready(want)
+
+    def get(self, timeout: float | None = None, cancel: Any = None, want: int | None = None) -> Any:
+        deadline = deadline_of(timeout)
+        while True:
+            with self._cond:
+                reply = self._take(want)
+                if reply is not None:
+                    return reply
+                if self._aborted:
+                    raise RingClosed(f"replies of rank {self.rank} aborted")
+            left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
+            if not self._try_read(left):  # another thread reads the socket: it files our reply
+                with self._cond:
+                    if not self._ready(want) and not self._aborted:
+                        self._cond.wait(left)
+
+    def abort(self) -> None:
+        """Wake the waiting caller, and every later one: they raise RingClosed. (Nothing
+        to close: the socket is the leader's.)"""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+
+
+class SentCalls:
+    """Copies of the calls queued for the nodes, kept until every node is known to
+    have them: a reset connection loses what it held without a word, and a node
+    that finds a gap asks for those calls again. A node has a call once one of
+    its workers answered it or a later one, or its agent's heartbeat names it or
+    a later one. Copies beyond ``limit`` bytes are dropped, oldest first: a gap
+    across one of those fails its node. The executor's sending thread adds;
+    whoever reads the nodes' messages records what they have."""
+
+    def __init__(self, limit: int = RESEND_BYTES):
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._kept: collections.deque = collections.deque()  # (seq, frames, bytes)
+        self._bytes = 0
+        self._have: dict[int, int] = {}  # node rank: the last call it is known to have relayed
+        self.last = 0  # the last call number queued for the nodes
+
+    def add(self, seq: int, frames: list, node_ranks: list[int]) -> None:
+        """Keep a copy of call ``seq`` (the caller may reuse its buffers; immutable
+        bytes are kept as they are), and forget what ``node_ranks`` all have."""
+        kept = [f if type(f) is bytes else bytes(f) for f in frames]
+        size = sum(len(f) for f in kept)
+        with self._lock:
+            self._kept.append((seq, kept, size))
+            self._bytes += size
+            self.last = seq
+            self._forget(node_ranks)
+
+    def has(self, node_rank: int, seq: Any) -> None:
+        """Node ``node_rank`` has relayed call ``seq`` and every call before it (no
+        further than the calls sent: a peer cannot make the leader forget more)."""
+        if type(seq) is int and seq > self._have.get(node_rank, 0):
+            self._have[node_rank] = min(seq, self.last)
+
+    def forget(self, node_ranks: list[int]) -> None:
+        """Drop the copies of the calls the nodes ``node_ranks`` all have."""
+        with self._lock:
+            self._forget(node_ranks)
+
+    def _forget(self, node_ranks: list[int]) -> None:  # the lock held
+        have = min((self._have.get(r, 0) for r in node_ranks), default=self.last)
+        while self._kept and (self._kept[0][0] <= have or self._bytes > self._limit):
+            self._bytes -= self._kept.popleft()[2]
+
+    def since(self, first: Any) -> list[list] | None:
+        """The frames of calls ``first``..last, or None unless every one is kept."""
+        with self._lock:
+            calls = [c for c in self._kept if type(first) is int and c[0] >= first]
+            last = self.last
+        if not calls or calls[0][0] != first or calls[-1][0] != last:
+            return None
+        return [frames for _, frames, _ in calls]
+
+
+class DataPath:
+    """The leader's two sockets as the calls and replies use them: calls published
+    to the nodes and sent again to one that lost some, the PULL socket read by a
+    waiting caller or the I/O thread, replies filed into per-rank receivers, and
+    the nodes' other messages handed to the control handler (see the module's
+    docstring for who reads the PULL socket)."""
+
+    def __init__(self, settings: ClusterSettings, bcast: Broadcaster, pull: zmq.Socket,
+                 curve: LeaderCurve | None, metrics: Metrics, max_reply: int):
+        self.settings = settings
+        self.bcast = bcast
+        self.pull = pull
+        self.curve = curve
+        self.metrics = metrics
+        self.max_reply = max_reply
+        self.xpub_lock = threading.RLock()  # the I/O thread sends welcomes while reading it
+        self.pull_lock = threading.Lock()
+        # one condition for replies filed, nodes joined and a failure: every wait wakes on it
+        self.cond = threading.Condition()
+        self.wake = threading.Event()  # the I/O thread has work: a control message, a failure
+        self.receivers: dict[int, RemoteReceiver] = {}
+        self.calls = SentCalls()  # copies of the calls a node may lack
+        self.calls_again = 0  # calls sent again to a node that lost them
+        self._caller_seen = 0.0  # when a caller last wanted the PULL socket
+        self._control: collections.deque = collections.deque()  # read from PULL, for the I/O thread
+        # bytes (codec.object_bytes) of the messages put in _control (by the reader) and
+        # taken out (by the I/O thread): each counter has one writer, so no lock is needed
+        self._control_in = self._control_out = 0
+        self._msg_bytes = 0  # what the message _recv_control returned last holds, if no reply
+        self._pull_closed = False
+        self._last_drop_log, self._drops_logged = 0.0, 0
+        self._on_control: Callable[[list], None] = self._no_control
+        self._probing_rank: Callable[[str], int | None] = lambda _node_id: None
+
+    def route_control(self, on_control: Callable[[list], None],
+                      probing_rank: Callable[[str], int | None]) -> None:
+        """Hand the nodes' messages that are no reply to ``on_control``; ``probing_rank``
+        names the node rank of a node still being probed (keys may speak only for
+        their own node: :meth:`_sent_by_owner`)."""
+        self._on_control, self._probing_rank = on_control, probing_rank
+
+    def _no_control(self, msg: list) -> None:
+        self.drop(f"an unknown control message {brief(msg[0])}", "unknown-kind")
+
+    # --- calls out ---------------------------------------------------------------
+
+    def try_publish_to_nodes(self, frames: list, timeout: float) -> bool:
+        """Send a call to the nodes only (after a failure the local ring is aborted)
+        within ``timeout`` seconds: whether it was queued (False: the XPUB socket
+        stayed busy, or a node full)."""
+        if not self.xpub_lock.acquire(timeout=timeout):
+            return False
+        try:
+            send_frames(self.bcast.xpub, self.bcast.wire(TOPIC_RPC, frames), deadline_of(timeout),
+                        "broadcast to nodes")
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.xpub_lock.release()
+
+    def sent(self, seq: int, frames: list, node_ranks: list[int]) -> None:
+        """Call ``seq`` was queued for the nodes ``node_ranks`` (the executor's sending
+        thread): keep a copy to send again to a node whose connection lost it
+        (:class:`SentCalls`)."""
+        self.calls.add(seq, frames, node_ranks)
+
+    @property
+    def sent_seq(self) -> int:
+        """The last call number queued for the nodes."""
+        return self.calls.last
+
+    def _next_seq(self) -> int:
+        """The highest call number a reply may answer: those sent, and the one being
+        sent (its replies may come before ``sent`` records it)."""
+        return self.sent_seq + 1
+
+    def resend(self, node_id: str, first: Any) -> bool:
+        """Send calls ``first``..last again to node ``node_id`` alone, on its node
+        topic; False if they are no longer all kept or could not be sent."""
+        calls = self.calls.since(first)
+        if calls is None:
+            return False
+        topic = node_topic(node_id) + TOPIC_RPC
+        for frames in calls:
+            if not self.xpub_lock.acquire(timeout=1.0):
+                return False
+            try:
+                send_frames(self.bcast.xpub, self.bcast.wire(topic, frames), deadline_of(1.0),
+                            "send calls again")
+            except TimeoutError:
+                return False
+            finally:
+                self.xpub_lock.release()
+        self.calls_again += len(calls)
+        return True
+
+    def send_control(self, topic: bytes, obj: Any, timeout: float = 5.0) -> bool:
+        """Send a control message to the nodes; False if the XPUB socket stayed busy
+        (an RPC blocked on a full node) or full for ``timeout``."""
+        if not self.xpub_lock.acquire(timeout=timeout):
+            return False
+        try:
+            return send_message(self.bcast.xpub, obj, timeout, "control send", topic)
+        finally:
+            self.xpub_lock.release()
+
+    # --- replies in --------------------------------------------------------------
+
+    def open_receivers(self, node_rank: int) -> None:
+        """Keep the replies of the ranks of node ``node_rank`` from now on (it was
+        welcomed: its workers' READY may come before it counts as joined)."""
+        s = self.settings
+        for local in range(s.nproc_per_node):
+            rank = node_rank * s.nproc_per_node + local
+            self.receivers[rank] = RemoteReceiver(rank, self.cond, self.try_read_replies, s.liveness_s,
+                                                  self._next_seq)
+
+    @property
+    def replies_again(self) -> int:
+        """Copies of replies dropped: a worker sent again what it kept when its
+        connection dropped, and some of it had arrived."""
+        return sum(r.again for r in list(self.receivers.values()))
+
+    def abort_receivers(self) -> None:
+        for r in list(self.receivers.values()):  # the I/O thread may be adding one
+            r.abort()
+
+    def try_read_replies(self, timeout: float) -> bool:
+        """Read the PULL socket in this thread for up to ``timeout`` seconds (until
+        something arrives) unless another thread is reading it: whether this one
+        did (False: the reading thread files the replies; wait on ``cond``)."""
+        self._caller_seen = time.monotonic()
+        if not self.pull_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._pull_closed:
+                self._read_pull(int(timeout * 1000))
+        except zmq.ZMQError:
+            pass  # the socket is closing: the receivers are aborted with it
+        finally:
+            self.pull_lock.release()
+        return True
+
+    def _read_pull(self, timeout_ms: int) -> None:
+        """Take what the PULL socket has (waiting up to ``timeout_ms`` for the first
+        message), at most 256 messages, so the I/O thread's timers go on under a
+        flood. Replies and heartbeats are filed here; the rest is left to the I/O
+        thread, which handles it with the socket released (a handler may wait
+        for the XPUB socket, or run failure callbacks)."""
+        if not self.pull.poll(timeout_ms, zmq.POLLIN):
+            return
+        for _ in range(256):
+            if not self.pull.poll(0, zmq.POLLIN):
+                break
+            msg = self._recv_control()
+            if msg is None:
+                continue
+            kind = msg[0]
+            if type(kind) is int or (type(kind) is str and kind == "hb"):
+                self._dispatch_safely(msg)
+            elif len(self._control) >= MAX_CONTROL_BACKLOG \
+                    or self._control_in - self._control_out + self._msg_bytes > MAX_CONTROL_BYTES:
+                self.drop("a control message: too many are waiting", "backlog")
+            else:
+                self._control.append((msg, self._msg_bytes))
+                self._control_in += self._msg_bytes
+                self.wake.set()
+
+
+    def read_unless_callers(self, wait_ms: int) -> None:
+        """The I/O thread's turn on the PULL socket: read it for up to ``wait_ms``
+        unless a caller wanted it lately (then wait for control messages instead)."""
+        if time.monotonic() - self._caller_seen < CALLERS_QUIET_S:
+            self.wake.wait(wait_ms / 1000)  # callers read the socket
+        elif self.pull_lock.acquire(timeout=wait_ms / 1000):
+            try:
+                self._read_pull(wait_ms)
+            finally:
+                self.pull_lock.release()
+            with self.cond:
+                self.cond.notify_all()  # a caller that waited for the socket may take it
+
+    def handle_control(self) -> None:
+        """Handle the control messages a reader left (the I/O thread), at most 256:
+        bounded, as the reading is."""
+        self.wake.clear()
+        for _ in range(min(len(self._control), 256)):
+            msg, size = self._control.popleft()
+            self._control_out += size
+            self._dispatch_safely(msg)
+
+    def _dispatch_safely(self, msg: list) -> None:
+        try:
+            self._dispatch(msg)
+        except Exception as e:  # noqa: BLE001 - a bad message must not stop the reader
+            self.drop(f"a message that broke its handler: {type(e).__name__}: {brief(str(e))}", "handler")
+
+    def _dispatch(self, msg: list) -> None:
+        if type(msg[0]) is int:
+            self._file_reply(msg)
+        else:
+            self._on_control(msg)
+
+    def _file_reply(self, msg: list) -> None:
+        rank = msg[0]
+        receiver = self.receivers.get(rank)
+        if receiver is None or len(msg) != 4:
+            self.drop(f"a reply for unknown rank {rank!r}", "unknown-rank")
+            return
+        if type(msg[1]) is not int:
+            self.drop(f"a reply of rank {rank} without a call number", "shape")
+            return
+        with self.cond:
+            if not receiver.expects(msg[1]):
+                self.drop(f"a reply of rank {rank} to call {brief(msg[1])}, which it cannot answer now",
+                          "unexpected-reply")
+                return
+            receiver.put(msg)
+            self.cond.notify_all()
+        self.calls.has(rank // self.settings.nproc_per_node, msg[1])  # its node had the call
+
+    def _recv_control(self) -> Any:
+        try:
+            raw = self.pull.recv_multipart(copy=False)
+            frames = [f.buffer for f in raw]
+            size = sum(f.nbytes for f in frames)
+            if size > MAX_CONTROL_MESSAGE and _reply_head(frames[0]) is None:
+                self.drop(f"a message of {size} bytes that is no reply (others are at most "
+                          f"{MAX_CONTROL_MESSAGE})", "too-big")
+                return None
+            msg = codec.decode(frames, self.max_reply)
+        except CodecError as e:
+            reply = _undecodable_reply(frames, e)
+            if reply is None:
+                self.drop(f"a malformed message from the network: {e}", "undecodable")
+            return reply
+        except zmq.ZMQError as e:
+            self.drop(f"a message that could not be read: {e}", "unreadable")
+            return None
+        if type(msg) is not list or not msg:
+            self.drop(f"a message of the wrong shape: {brief(msg)}", "shape")
+            return None
+        if type(msg[0]) is not int:  # not a reply: what it holds once decoded
+            self._msg_bytes = size + codec.object_bytes(frames[0])
+            if self._msg_bytes > MAX_CONTROL_MESSAGE:
+                self.drop(f"a {brief(msg[0])} message that decodes into about {self._msg_bytes} "
+                          f"bytes (at most {MAX_CONTROL_MESSAGE})", "too-big")
+                return None
+        if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
+            self.drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it",
+                      "not-owner")
+            return None
+        return msg
+
+    def _sent_by_owner(self, msg: list, node_rank: int | None) -> bool:
+        """Whether the node key of ``node_rank`` may send ``msg``: each key speaks only
+        for its own node rank and that node's worker ranks (see zbus.curve)."""
+        n, kind = self.settings.nproc_per_node, msg[0]
+        ranks = range(node_rank * n, (node_rank + 1) * n) if node_rank else range(0)
+        if type(kind) is int:  # a worker's reply
+            return kind in ranks
+        if type(kind) is not str:
+            return True  # dropped by the control handler
+        if kind in ("hb", "gap"):
+            return len(msg) > 1 and type(msg[1]) is int and msg[1] == node_rank
+        if kind == "died":
+            return len(msg) > 2 and type(msg[1]) is type(msg[2]) is int and msg[1] == node_rank \
+                and msg[2] in ranks
+        if kind == "join" and len(msg) == 3 and isinstance(msg[2], dict):
+            if msg[2].get("node_rank") in (None, -1):
+                msg[2]["node_rank"] = node_rank  # the key decides which free rank it takes
+            return type(msg[2]["node_rank"]) is int and msg[2]["node_rank"] == node_rank
+        if kind in ("subscribed", "refused") and len(msg) > 1 and type(msg[1]) is str:
+            probed = self._probing_rank(msg[1])
+            return probed is None or probed == node_rank
+        return True  # status (any listed key may ask) and what the handler drops
+
+    def drop(self, what: str, reason: str) -> None:
+        """Count a dropped message under ``reason`` (see :attr:`dropped_by`); log it,
+        at most once a second under a flood."""
+        self.metrics.dropped(reason=reason)
+        now = time.monotonic()
+        if now - self._last_drop_log >= 1.0:
+            since = self.metrics.dropped_frames - self._drops_logged
+            log.warning("dropped %s%s", what, f" (and {since - 1} more since the last report)"
+                        if since > 1 else "")
+            self._last_drop_log, self._drops_logged = now, self.metrics.dropped_frames
+
+    @property
+    def dropped(self) -> int:
+        """Messages from the network dropped as malformed or unexpected."""
+        return self.metrics.dropped_frames
+
+    @property
+    def dropped_by(self) -> dict[str, int]:
+        """:attr:`dropped` by reason: ``undecodable`` (the codec refused it: garbage,
+        truncated, too deep, a frame used twice, data that does not match its
+        declared shape), ``shape`` (not a non-empty list), ``unknown-rank`` (a reply
+        for no remote rank), ``unknown-kind``, ``bad-join``, ``join-flood``,
+        ``stray-refused``, ``bad-status``, ``not-owner`` (a key speaking for another
+        node), ``handler`` / ``io-loop`` (a message that broke its handler),
+        ``backlog`` (too many control messages waiting), ``unreadable``."""
+        return self.metrics.drops()
+
+    def close(self, linger_s: float) -> None:
+        """Wake every waiting caller (RingClosed), close the PULL socket once no caller
+        reads it, and the XPUB; ``linger_s`` lets queued messages out."""
+        self.abort_receivers()
+        locked = self.pull_lock.acquire(timeout=1.0)  # a caller leaves it within a slice
+        self._pull_closed = True
+        self.pull.close(linger=0)
+        if locked:
+            self.pull_lock.release()
+        self.bcast.close(linger_s=linger_s)

@@ -1,0 +1,411 @@
+"""The nodes of a cluster, as the leader sees them: formation, liveness, status.
+
+Formation: a follower sends ``join`` until welcomed. The leader welcomes it (on
+``N<node id>``) once that subscription shows on the XPUB socket, then probes it on
+``RP`` and ``HP`` until it answers ``subscribed``: only then does the node count
+as joined, so it cannot miss an RPC. (A SUB socket re-sends its subscriptions in
+no set order, so the order they were made in proves nothing.) Liveness:
+heartbeats both ways; a joined node silent for ``liveness_s`` fails the executor
+(:class:`zbus.errors.NodeLostError`).
+
+All of it runs on the leader's own I/O thread (:meth:`Membership.start`), never on
+a caller's: the heartbeats sent, the liveness check, welcomes, probes, status
+answers, and the nodes' control messages. Only a node's heartbeat is filed by
+whichever thread reads the PULL socket (:class:`zbus.datapath.DataPath`), a
+caller waiting for its replies included, so no reply wait starves it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+
+from . import protocol
+from .cluster import (
+    PROBE_TOPICS,
+    STATUS_TOPIC,
+    TOPIC_HEARTBEAT,
+    ClusterSettings,
+    brief,
+    node_topic,
+    touch_health,
+)
+from .datapath import DataPath
+from .errors import ExecutorFailedError, NodeLostError, WorkerDiedError, ZbusError
+from .failure import Failure
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
+
+
+@dataclass
+class NodeInfo:
+    node_rank: int
+    node_id: str
+    host: str
+    address: str
+    nproc: int
+    pid: int
+    last_seen: float
+
+
+
+class Membership:
+    """Which nodes belong to the cluster and whether they live: admits them while
+    the cluster forms, heartbeats, fails the executor when one is lost, answers
+    ``zbus status``. Its I/O thread also gives the data path its turn on the PULL
+    socket while no caller reads it, so the nodes are heard while the driver is
+    idle."""
+
+    def __init__(self, settings: ClusterSettings, path: DataPath, failure: Failure, metrics: Metrics,
+                 reply_address: str, status: Callable[[], dict] | None = None):
+        self.settings = settings
+        self.path = path
+        self.failure = failure
+        self.metrics = metrics
+        self.cond = path.cond  # shared with the receivers: a failure wakes every wait at once
+        self.nodes: dict[int, NodeInfo] = {}
+        self.formed = settings.nnodes <= 1
+        self._reply_address = reply_address
+        self._joins: dict[str, dict] = {}
+        self._subscribed: set[bytes] = set()
+        self._probing: dict[str, NodeInfo] = {}
+        self._welcome_spec: dict = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._status = status
+
+    # --- joining -------------------------------------------------------------------
+
+    def admit(self, spec: dict, torch_port: int, timeout: float, extra_env: dict | None = None,
+              on_join: Callable[[int, int], None] | None = None) -> None:
+        """Start the I/O thread, which admits the nodes, and wait until all joined.
+
+        Heartbeats flow both ways from the first join on, and replies (READY)
+        from nodes that joined early are kept. A node refused for a reason that
+        a retry cannot mend (protocol version, worker count, node rank) fails
+        start-up at once, naming the node; a timeout names the missing ranks."""
+        self._welcome_spec = {"spec": spec, "torch_port": torch_port, "env": dict(extra_env or {})}
+        self.start()
+        want = self.settings.nnodes - 1
+        deadline = time.monotonic() + timeout
+        last_log = time.monotonic()
+        seen = -1
+        with self.cond:
+            while len(self.nodes) < want:
+                if on_join is not None and len(self.nodes) != seen:
+                    seen = len(self.nodes)
+                    on_join(seen + 1, want + 1)
+                self.failure.raise_if_failed()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, self.settings.nnodes)) - set(self.nodes))
+                    raise TimeoutError(f"{len(self.nodes)}/{want} follower nodes joined within "
+                                       f"{timeout} s; missing node ranks: {missing}")
+                self.cond.wait(min(left, 1.0))
+                if time.monotonic() - last_log >= 2:
+                    last_log = time.monotonic()
+                    log.info("%d/%d nodes joined: %s", len(self.nodes) + 1, self.settings.nnodes,
+                             self.describe_nodes())
+            self.formed = True
+        if on_join is not None:
+            on_join(want + 1, want + 1)
+        log.info("%d/%d nodes joined: %s", want + 1, want + 1, self.describe_nodes())
+
+    def describe_nodes(self) -> str:
+        return ", ".join(f"{n.node_rank}:{n.host}" for n in sorted(self.nodes.values(),
+                                                                   key=lambda n: n.node_rank)) or "-"
+
+    def _on_subscription(self, topic: bytes) -> None:
+        log.debug("subscription %r", topic)
+        self._subscribed.add(topic)
+        self._welcome_ready()
+
+    def _on_join(self, node_id: Any, info: Any) -> None:
+        if type(node_id) is not str or not isinstance(info, dict):
+            self.path.drop("a malformed join request", "bad-join")
+            return
+        if node_id in self._probing or any(n.node_id == node_id for n in self.nodes.values()):
+            return  # a repeated join of a node already welcomed
+        log.debug("join from %s (%s)", info.get("host"), node_id)
+        if self.formed:
+            log.error("refused a join from %s: the cluster is formed", info.get("host", "?"))
+            self.path.send_control(node_topic(node_id), ["reject", "the cluster is already formed"],
+                                   timeout=1.0)
+            return
+        if len(self._joins) >= MAX_PENDING_JOINS and node_id not in self._joins:
+            # A flood of joins from nodes that never subscribe: forget the oldest. A real
+            # node is welcomed as soon as a join and its subscription are both here,
+            # and it sends its join again every 2 s.
+            self._joins.pop(next(iter(self._joins)))
+            self.metrics.dropped(reason="join-flood")
+        self._joins[node_id] = info
+        self._welcome_ready()
+
+    def _welcome_ready(self) -> None:
+        """Welcome the joins whose node topic subscription has arrived (the welcome
+        goes on that topic); probes then check the node's other subscriptions. A
+        join for a rank that a node still being probed holds waits: that node may
+        have died (then it expires) or may answer (then this join is refused)."""
+        for node_id in [n for n in self._joins if node_topic(n) in self._subscribed]:
+            if not self._held_by_probing(self._joins[node_id].get("node_rank")):
+                self._welcome(node_id, self._joins.pop(node_id))
+
+    def _held_by_probing(self, rank: Any) -> bool:
+        probing = {n.node_rank for n in self._probing.values()}
+        if rank in (None, -1):  # any free rank: wait only if the probed nodes hold the last ones
+            taken = probing | set(self.nodes)
+            return bool(probing) and all(r in taken for r in range(1, self.settings.nnodes))
+        return type(rank) is int and rank in probing
+
+    def _expire_probing(self, now: float) -> None:
+        """Drop the nodes welcomed a liveness limit ago that never answered the
+        probes (stopped or crashed while joining), so their ranks are free again.
+        One that still runs is told, and leaves."""
+        for node_id, node in list(self._probing.items()):
+            if now - node.last_seen > self.settings.liveness_s:
+                del self._probing[node_id]
+                log.warning("node %s (rank %d) never answered the probes within %.1f s: dropped",
+                            node.host, node.node_rank, self.settings.liveness_s)
+                self.path.send_control(node_topic(node_id), ["dropped", "no answer to the probes in time"],
+                                       0.1)
+        self._welcome_ready()
+
+    def _welcome(self, node_id: str, info: dict) -> None:
+        s = self.settings
+        try:
+            node_rank = self._check_join(info)
+        except ZbusError as e:
+            log.error("refused node %s: %s", info.get("host", "?"), e)
+            self.path.send_control(node_topic(node_id), ["reject", str(e)], timeout=1.0)
+            self.failure.fail(ExecutorFailedError(f"node {info.get('host', '?')} refused: {e}"))
+            return
+        node = NodeInfo(node_rank, node_id, info["host"], info["address"], info["nproc"], info["pid"],
+                        time.monotonic())
+        self.path.open_receivers(node_rank)
+        sent = self.path.send_control(node_topic(node_id), ["welcome", {
+            "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
+            "master_addr": s.master_addr, "liveness_s": s.liveness_s,
+            "reply_address": self._reply_address, "max_reply": self.path.max_reply,
+            **self._welcome_spec}])
+        if sent:
+            self._probing[node_id] = node
+        else:  # its next join tries again
+            log.warning("welcome to %s not sent: retrying on its next join", node.host)
+
+    def _on_refused(self, node_id: Any, reason: Any) -> None:
+        """A welcomed node would not start the workers (see zbus.agent)."""
+        node = self._probing.get(node_id) if type(node_id) is str else None
+        if node is None:
+            self.metrics.dropped(reason="stray-refused")
+            return
+        self.failure.fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
+                                       f"workers: {brief(reason)}"))
+
+    def _on_subscribed(self, node_id: Any) -> None:
+        node = self._probing.pop(node_id, None)
+        if node is None:
+            return
+        node.last_seen = time.monotonic()
+        with self.cond:
+            self.nodes[node.node_rank] = node
+            self.cond.notify_all()
+        log.info("node %d joined: %s (%s)", node.node_rank, node.host, node.address)
+        self._welcome_ready()  # a join that waited for this rank is refused now
+
+    def _probe(self) -> None:
+        for node_id in self._probing:
+            for topic in PROBE_TOPICS:
+                self.path.send_control(topic, ["probe", node_id], timeout=0.1)
+
+    def _check_join(self, info: Any) -> int:
+        s = self.settings
+        if not isinstance(info, dict) or not all(k in info for k in ("version", "nproc", "host",
+                                                                       "address", "node_rank", "pid")):
+            raise ZbusError(f"malformed join request: {brief(info)}")
+        host = info["host"]
+        if info["version"] != protocol.PROTOCOL_VERSION:
+            raise ZbusError(f"node {host} speaks protocol {info['version']}, "
+                            f"the leader {protocol.PROTOCOL_VERSION}")
+        if info["nproc"] != s.nproc_per_node:
+            raise ZbusError(f"node {host} has {info['nproc']} workers but every node needs "
+                            f"{s.nproc_per_node} (world size {s.nnodes * s.nproc_per_node})")
+        rank = info["node_rank"]
+        taken = {n.node_rank: n for n in (*self.nodes.values(), *self._probing.values())}
+        if rank in (None, -1):
+            free = [r for r in range(1, s.nnodes) if r not in taken]
+            if not free:
+                raise ZbusError(f"node {host}: the cluster of {s.nnodes} nodes is complete")
+            return free[0]
+        if type(rank) is not int or not 1 <= rank < s.nnodes:
+            raise ZbusError(f"node {host} asks for node rank {rank}; valid: 1..{s.nnodes - 1} "
+                            "(0 is the leader)")
+        if rank in taken:
+            raise ZbusError(f"node {host} asks for node rank {rank}, already taken by "
+                            f"{taken[rank].host}")
+        return rank
+
+
+    # --- the I/O thread ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="zbus-leader-io", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the I/O thread (it wakes every 50 ms at most)."""
+        self._stop.set()
+        self.path.wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        """The I/O thread: heartbeats and liveness, subscriptions while the cluster
+        forms (the XPUB socket is then only ours), the messages a caller left to
+        it, and the PULL socket whenever no caller has wanted it for a while."""
+        next_hb, told = 0.0, False  # told: the nodes were sent ``failed``
+        while not self._stop.is_set():
+            try:
+                next_hb, told = self._step(next_hb, told)
+            except zmq.ZMQError as e:
+                if not self._stop.is_set():
+                    self.failure.fail(ExecutorFailedError(f"leader I/O failed: {e}"))
+                return
+            except Exception as e:  # noqa: BLE001 - nothing a peer sends may stop heartbeats
+                self.path.drop(f"a message that broke the I/O loop: {type(e).__name__}: {brief(str(e))}",
+                               "io-loop")
+                self._stop.wait(0.05)  # no busy loop if it happens again at once
+
+    def _step(self, next_hb: float, told: bool) -> tuple[float, bool]:
+        """One turn of the I/O loop; the time of the next heartbeat, and whether the
+        nodes were told of the failure (at once, not at the next heartbeat)."""
+        s = self.settings
+        now = time.monotonic()
+        error = self.failure.error
+        if now >= next_hb or (error is not None and not told):
+            # a failed executor says so instead of heartbeating: its nodes free their GPUs
+            hb = ["hb", self.path.sent_seq] if error is None else ["failed", brief(str(error))]
+            if self.path.send_control(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
+                told = error is not None
+            else:
+                log.warning("heartbeat not sent: a node is not taking messages")
+            next_hb = time.monotonic() + s.heartbeat_s
+            self._check_liveness(time.monotonic())
+            self.path.calls.forget(list(self.nodes))  # what the nodes' heartbeats said they have
+            if not self.formed:
+                self._expire_probing(time.monotonic())
+            touch_health()
+        wait_ms = min(50, int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
+        self._read_subscriptions()
+        if not self.formed:
+            self._probe()
+        self.path.handle_control()
+        self.path.read_unless_callers(wait_ms)
+        return next_hb, told
+
+    def _read_subscriptions(self) -> None:
+        """Take the XPUB socket's subscription notices (a node topic means a node
+        can be welcomed). Read even once formed, so strangers cannot pile them up.
+        Non-blocking: other threads send on this socket under the same lock."""
+        if not self.path.xpub_lock.acquire(timeout=0.01):
+            return
+        try:
+            for _ in range(1000):
+                if not self.path.bcast.xpub.poll(0, zmq.POLLIN):
+                    break
+                msg = self.path.bcast.xpub.recv()
+                if msg[:1] != b"\x01":
+                    continue
+                topic = msg[1:]
+                if not self.formed and topic[:1] == b"N" and len(topic) <= 33 \
+                        and len(self._subscribed) < 4096:
+                    self._on_subscription(topic)
+        finally:
+            self.path.xpub_lock.release()
+
+
+    # --- the nodes' messages -----------------------------------------------------
+
+    def handle(self, msg: list) -> None:
+        """A node's message that is no reply: a heartbeat (from the thread that read
+        it), else on the I/O thread."""
+        kind = msg[0]
+        if kind == "hb" and len(msg) in (2, 3):  # from a node still being probed: nothing to do
+            node = self.nodes.get(msg[1]) if type(msg[1]) is int else None
+            if node is not None:
+                node.last_seen = time.monotonic()
+                self.metrics.heartbeat(node.node_rank)
+                if len(msg) == 3:  # and the last call its agent relayed
+                    self.path.calls.has(node.node_rank, msg[2])
+        elif kind == "died" and len(msg) == 4 and type(msg[1]) is type(msg[2]) is int \
+                and type(msg[3]) in (int, type(None)) and msg[1] in self.nodes:
+            node = self.nodes[msg[1]]
+            self.failure.fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
+        elif kind == "join" and len(msg) == 3:
+            self._on_join(msg[1], msg[2])
+        elif kind == "subscribed" and len(msg) == 2 and type(msg[1]) is str:
+            self._on_subscribed(msg[1])
+        elif kind == "gap" and len(msg) == 4 and type(msg[1]) is int and msg[1] in self.nodes:
+            node = self.nodes[msg[1]]  # its agent saw calls go missing (a reset connection)
+            if self.path.resend(node.node_id, msg[2]):
+                log.warning("node %d (%s) missed calls %s to %s: sent again", node.node_rank, node.host,
+                            brief(msg[2]), brief(msg[3]))
+            else:
+                self.failure.fail(NodeLostError(node.node_rank, node.host,
+                                                f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
+        elif kind == "refused" and len(msg) == 3:
+            self._on_refused(msg[1], msg[2])
+        elif kind == "status" and len(msg) == 2:
+            self._answer_status(msg[1])
+        else:
+            self.path.drop(f"an unknown control message {brief(kind)}", "unknown-kind")
+
+    def probing_rank(self, node_id: str) -> int | None:
+        """The node rank of node ``node_id`` while it is probed, else None."""
+        node = self._probing.get(node_id)
+        return None if node is None else node.node_rank
+
+    def _check_liveness(self, now: float) -> None:
+        for node in self.nodes.values():
+            if now - node.last_seen > self.settings.liveness_s:
+                self.failure.fail(NodeLostError(
+                    node.node_rank, node.host, f"no heartbeat for {now - node.last_seen:.1f} s"))
+                return
+
+    def _answer_status(self, token: Any) -> None:
+        if type(token) is not str or not 0 < len(token) <= 64 or self._status is None:
+            self.metrics.dropped(reason="bad-status")
+            return
+        self.path.send_control(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0)
+
+    def announce_stop(self) -> None:
+        """Tell the agents that their workers are about to be stopped, so they do
+        not report the exits as failures."""
+        self.path.send_control(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
+
+    def say_bye(self) -> bool:
+        """Tell the nodes the cluster is done (they stop their workers and exit 0);
+        whether it was sent. Said as soon as the last call (STOP) is out, so a
+        leader killed while its own workers stop leaves no node waiting for it."""
+        try:
+            return self.path.send_control(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
+        except zmq.ZMQError:
+            return False
+
+    def reject_joining(self) -> None:
+        """The leader stops before the cluster formed: tell the followers still
+        joining, which would otherwise wait out their join timeout."""
+        try:
+            if not self.formed:
+                for topic in list(self._subscribed)[:64]:
+                    self.path.send_control(topic, ["reject", "the leader stopped before the cluster formed"],
+                                           0.2)
+        except zmq.ZMQError:
+            pass
