@@ -521,24 +521,31 @@ def test_a_caller_reading_its_replies_keeps_heartbeats_and_control_messages_serv
         end_process(proc)
 
 
+def bare_leader(nnodes: int):
+    """A leader with no executor and no local worker (liveness 1 s), and its port."""
+    from zbus.cluster import ClusterSettings
+    from zbus.leader import Leader
+    from zbus.queues import Broadcaster
+
+    port = free_port_pair()
+    settings = ClusterSettings(nnodes=nnodes, nproc_per_node=1, master_addr="127.0.0.1", master_port=port,
+                               liveness_s=1.0)
+    return Leader(settings, lambda **kw: Broadcaster(0, **kw)), port
+
+
 def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
     """Crafted messages on the PULL port, and an error inside the loop itself (as a
     bug or a message that breaks a handler would raise), are logged and counted;
     heartbeats go on. Fails if the I/O loop catches only ZMQError, or if a dropped
     message is formatted with str() of the whole value."""
-    from zbus.cluster import ClusterSettings, brief
-    from zbus.leader import Leader
-    from zbus.queues import Broadcaster
+    from zbus.cluster import brief
 
     assert len(brief([[[[list(range(1000))]]]] * 1000)) < 200
     deep = []
     for _ in range(5000):
         deep = [deep]
     assert len(brief(deep)) < 100  # str(deep) raises RecursionError
-    port = free_port_pair()
-    settings = ClusterSettings(nnodes=2, nproc_per_node=1, master_addr="127.0.0.1", master_port=port,
-                               liveness_s=1.0)
-    lead = Leader(settings, lambda **kw: Broadcaster(0, **kw))
+    lead, port = bare_leader(nnodes=2)
     ctx = zmq.Context()
     sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     try:
@@ -571,6 +578,67 @@ def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
         assert lead.failure.error is None
     finally:
         sub.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+        lead.close()
+
+
+def test_liveness_runs_on_the_io_thread_while_a_caller_is_blocked_publishing():
+    """A caller blocks inside a publish on a slow subscriber (it never reads, so its
+    queue fills and the send waits, holding the XPUB socket). Meanwhile the leader's
+    I/O thread still reads node 1's heartbeats and fails silent node 2 with
+    ``NodeLostError`` within the 1 s liveness limit; the failure wakes the blocked
+    caller (``Cancelled``). Liveness waits on no caller's thread. Sabotage: check
+    liveness only once a heartbeat went out (indent ``self._check_liveness(...)``
+    in ``Membership._step`` under the ``if self.path.send_control(...)``): no node
+    is lost while the caller blocks, and it waits out its 10 s send instead."""
+    from zbus.errors import Cancelled, SendTimeout
+    from zbus.membership import NodeInfo
+
+    lead, port = bare_leader(nnodes=3)
+    ctx = zmq.Context()
+    slow, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    state: dict = {"since": None, "error": None}
+
+    def publish_until_blocked():
+        try:
+            while True:  # 1 MiB calls to a subscriber that reads none: the pipe and the kernel fill
+                state["since"] = time.monotonic()
+                lead.bcast.publish_frames([bytes(2**20)], 10.0, TOPIC_RPC, cancel=lead.failure.cancel,
+                                          lock=lead.xpub_lock)
+        except (Cancelled, SendTimeout) as e:
+            state["error"] = e
+            state["ended"] = time.monotonic()
+
+    try:
+        slow.setsockopt(zmq.RCVHWM, 1)
+        slow.setsockopt(zmq.SUBSCRIBE, TOPIC_RPC)
+        slow.connect(f"tcp://127.0.0.1:{port}")
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        lead.membership.formed = True
+        lead.start()
+        caller = threading.Thread(target=publish_until_blocked, daemon=True)
+        caller.start()
+        wait_until(lambda: state["since"] is not None and time.monotonic() - state["since"] > 0.3, 20,
+                   "the caller blocked in a publish")
+        t0 = time.monotonic()
+        for rank in (1, 2):
+            lead.nodes[rank] = NodeInfo(rank, f"id{rank}", f"node{rank}", "127.0.0.1", 1, 0, t0)
+        while lead.failure.error is None and time.monotonic() - t0 < 5:
+            push.send_multipart(codec.encode(["hb", 1, 0]))  # node 1 lives, node 2 is silent
+            time.sleep(0.05)
+        lost = time.monotonic() - t0
+        caller.join(10)
+        error = lead.failure.error
+        print(f"node 2 lost {lost:.2f} s after it fell silent, the caller blocked all along; "
+              f"node 1's heartbeats read meanwhile: {lead.metrics.heartbeats.get(1, 0)}")
+        assert isinstance(error, zbus.NodeLostError) and error.node_rank == 2, error
+        assert lost < 1.0 + 1.0
+        assert isinstance(state["error"], Cancelled), state["error"]  # woken by the failure
+        assert state["since"] < t0  # in the publish that blocked before the nodes were added
+        assert lead.metrics.heartbeats.get(1, 0) >= 5
+    finally:
+        slow.close(linger=0)
         push.close(linger=0)
         ctx.term()
         lead.close()
