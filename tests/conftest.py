@@ -20,8 +20,11 @@ TEST_PATH = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 
 def zbus_segments() -> set[str]:
-    """zbus's segments, and those vLLM's CPU all-reduce names after zbus's rendezvous."""
-    return {n for n in os.listdir(SHM) if n.startswith("zbus-") or "?zbus_node=" in n}
+    """zbus's segments, and those vLLM's CPU all-reduce names after zbus's rendezvous,
+    but not those of another live run on the machine (:func:`foreign_segments`): a
+    test's ``zbus_segments() - before`` counts what this run made."""
+    names = {n for n in os.listdir(SHM) if n.startswith("zbus-") or "?zbus_node=" in n}
+    return names - foreign_segments(names)
 
 
 def live_children(proc: psutil.Process) -> list[psutil.Process]:
@@ -94,7 +97,6 @@ def no_leftovers():
     while time.monotonic() < deadline:
         children = live_children(me)
         left = zbus_segments() - before
-        left -= foreign_segments(left)
         if MUTATION_RUN:
             left = own_segments(left)
         if not children and not left:
