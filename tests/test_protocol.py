@@ -114,3 +114,57 @@ def test_in_parts_judges_frames_by_their_bytes_and_leaves_small_calls_alone():
     counts, parts = protocol.in_parts([b"envelope", over])
     assert msgpack.unpackb(counts) == [1, 2] and [memoryview(p).nbytes for p in parts[1:]] == [
         protocol.PART_BYTES, 8]
+
+
+@pytest.mark.parametrize("sizes", [
+    [protocol.PART_BYTES + 1],                          # just over: 2 parts, the last of 1 byte
+    [3 * protocol.PART_BYTES, 0, 5],                     # exact multiple; empty and small frames stay whole
+    [protocol.PART_BYTES, 2 * protocol.PART_BYTES - 1],  # at the limit: whole; one under two parts
+])
+def test_frames_cut_in_parts_come_back_byte_for_byte(sizes):
+    """``from_parts(*in_parts(frames))`` gives each frame again: a frame of one
+    part as that part, a cut one as the tuple of its parts in order, each part
+    ``PART_BYTES`` but the last; the envelope stays whole however big. Sabotage:
+    an off-by-one in the part count or slice bounds, parts taken from the wrong
+    offset, or a cut frame returned as a list (the ring writes tuples back to
+    back) -> a frame differs."""
+    envelope = b"E" * (protocol.PART_BYTES + 7)  # never cut
+    frames = [envelope, *(bytes((i + j) % 251 for j in range(n)) for i, n in enumerate(sizes))]
+    counts, parts = protocol.in_parts(frames)
+    want = [1] + [max(1, -(-n // protocol.PART_BYTES)) for n in sizes]
+    assert msgpack.unpackb(counts) == want and len(parts) == sum(want)
+    back = protocol.from_parts(counts, parts)
+    assert len(back) == len(frames)
+    for frame, n, got in zip(frames, want, back):
+        if n == 1:
+            assert not isinstance(got, tuple) and bytes(got) == frame
+        else:
+            assert type(got) is tuple and len(got) == n
+            assert [memoryview(p).nbytes for p in got] == [protocol.PART_BYTES] * (n - 1) + [
+                len(frame) - (n - 1) * protocol.PART_BYTES]
+            assert b"".join(bytes(p) for p in got) == frame
+
+
+UNDECODABLE, UNFIT = "cannot decode the part counts", "do not fit"
+
+
+@pytest.mark.parametrize("counts, nparts, why", [
+    (b"\xc1", 2, UNDECODABLE),               # not msgpack
+    (packed([1] * 5), 4, UNDECODABLE),       # more counts than parts: msgpack's limit, before any list
+    (packed({"a": 1}), 2, UNFIT),            # not a list
+    (packed([]), 0, UNFIT),                  # no frame
+    (packed([1, 0, 2]), 3, UNFIT),           # a frame of no part (the sum fits)
+    (packed([1, -1, 3]), 3, UNFIT),          # a negative count (the sum fits)
+    (packed([1, 1.0]), 2, UNFIT),            # not an int
+    (packed([1, True]), 2, UNFIT),           # a bool is not a count
+    (packed([1, 2]), 2, UNFIT),              # more parts counted than sent
+    (packed([1, 1]), 3, UNFIT),              # fewer
+])
+def test_part_counts_that_do_not_fit_are_refused(counts, nparts, why):
+    """A node's relay is given counts from the network: whatever they are, the
+    answer is the frames or a :class:`CodecError`, never a wrong split or another
+    exception. Sabotage: drop a clause of the fit check (``n > 0``, ``type(n) is
+    int``, the sum) or the ``max_array_len`` bound -> the matching case passes or
+    raises something else."""
+    with pytest.raises(zbus.CodecError, match=why):
+        protocol.from_parts(counts, [b"p"] * nparts)
