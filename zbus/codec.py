@@ -505,6 +505,15 @@ def _check_header(view: memoryview) -> None:
             raise CodecError("truncated header") from None
 
 
+def _too_many_objects(header: bytes) -> CodecError:
+    """The refusal of a header over its object budget, naming the whole limit (the
+    budget the walk is given is that less the negative fixints' share)."""
+    limit = OBJECTS_MIN + OBJECTS_FACTOR * len(header)
+    return CodecError(f"decoding this header would build over {limit >> 20} MiB of objects "
+                      f"({OBJECTS_MIN >> 20} MiB + {OBJECTS_FACTOR}x its size): too many small "
+                      "maps, arrays or values (send bulk data as bytes, arrays or tensors)")
+
+
 def _negative_fixints(data: bytes) -> int:
     """Negative fixints are one-byte items that make an int object: their bytes,
     counted as if every such byte were one (an upper bound)."""
@@ -552,9 +561,7 @@ def _walk(data: bytes, budget: int | None = None) -> int:
                 raise CodecError("an extension body of the wrong length")
             if not stack:
                 if spent > budget:  # scalars after the last container
-                    raise CodecError(f"decoding this header would build over {budget >> 20} MiB of "
-                                     "objects: too many values (send bulk data as bytes, arrays or "
-                                     "tensors)")
+                    raise _too_many_objects(data)
                 return spent
             left, body_end = stack.pop()
             continue
@@ -589,9 +596,7 @@ def _walk(data: bytes, budget: int | None = None) -> int:
         if len(stack) >= MAX_DEPTH:
             raise CodecError(f"maps, arrays and extension types nested deeper than {MAX_DEPTH}")
         if spent > budget:
-            raise CodecError(f"decoding this header would build over {budget >> 20} MiB of objects "
-                             f"({OBJECTS_MIN >> 20} MiB + {OBJECTS_FACTOR}x its size): too many small "
-                             "maps, arrays or values (send bulk data as bytes, arrays or tensors)")
+            raise _too_many_objects(data)
         stack.append((left, body_end))
         left, body_end = items, inner_end
 
