@@ -126,11 +126,11 @@ class ZbusExecutor(VllmExecutor):
             except (ZbusError, TimeoutError) as e:
                 log.warning("workers' shutdown: %s", e)
         log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
-        # Names first (mappings stay valid): the engine's process may be killed while
-        # zbus stops the workers, and a killed worker cannot remove its own.
+        # Names first (mappings stay valid): a killed worker cannot remove its own. Each
+        # worker that stops, or is orphaned by vLLM killing this process, removes them
+        # too (an atexit hook).
         remove_cpu_shm(zbus.torch_port, 0)
         zbus.shutdown()
-        remove_cpu_shm(zbus.torch_port, 0)  # and any a worker made while it was stopping
         log.info("zbus shut down in %.2f s", time.monotonic() - started)
 
     @classmethod
