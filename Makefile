@@ -25,7 +25,8 @@ VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND="0|1"
 
 .PHONY: demo test test-vllm lint bench bench-compare bench-vllm venv vllm-venv mutation mutation-venv clean soak-netns
 
-$(VENV)/.installed: pyproject.toml
+# `pip install -e` also builds the compiled core (zbus/_core.c) in place.
+$(VENV)/.installed: pyproject.toml setup.py zbus/_core.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(FIND_LINKS) $(TORCH)
@@ -37,9 +38,12 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/zbus demo
 
+# The suite runs on the compiled core (it must be built: ZBUS_REQUIRE_CORE); the ring's
+# tests run again on its pure-Python twin, the fallback where no compiler is.
 test: venv vllm-venv
 	$(VENV)/bin/ruff check zbus tests benchmarks examples
-	$(PY) -m pytest -q
+	ZBUS_REQUIRE_CORE=1 $(PY) -m pytest -q
+	ZBUS_PURE_PYTHON=1 $(PY) -m pytest -q tests/test_ring.py tests/test_queues.py tests/test_core.py
 	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 
 # The vLLM tests alone (the main suite skips them where vLLM does not import).
@@ -56,7 +60,7 @@ SOAK_CALLS ?= 1000000
 soak-netns: venv
 	nice -n 10 $(PY) tests/soak.py --netns --calls $(SOAK_CALLS)
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml setup.py zbus/_core.c
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) $(TORCH)

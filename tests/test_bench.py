@@ -14,12 +14,15 @@ from zbus.bench import Row, format_table, plot_svg
 
 
 def test_bench_writes_json_and_redraws_a_plot(tmp_path):
+    """Sabotage: the core not named in the output or the JSON → fails."""
     out = tmp_path / "bench.json"
-    env = dict(os.environ, PYTHONPATH=TEST_PATH)
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_PURE_PYTHON="1")
     r = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "import", "--json", str(out)],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
+    assert "zbus core: python" in r.stdout
     data = json.loads(out.read_text())
+    assert data["machine"]["core"] == "python"
     assert data["machine"]["cpus"] >= 1 and data["rows"][0]["case"] == "import zbus"
     assert data["rows"][0]["extra"]["torch imported"] is False
     rows = [Row("payload", f"{n} {u} tensor to 2 workers", t, t * 2, "pyzmq ipc", t * 1.5,

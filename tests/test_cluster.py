@@ -24,11 +24,11 @@ from zbus import codec
 from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, free_port_pair, node_topic
 
 
-def follower(port: int, *args: str, nproc: int = 1) -> subprocess.Popen:
+def follower(port: int, *args: str, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
     import os
 
     env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
-               ZBUS_NPROC_PER_NODE=str(nproc), ZBUS_ALLOW_WORKERS="workers")
+               ZBUS_NPROC_PER_NODE=str(nproc), ZBUS_ALLOW_WORKERS="workers", **(env or {}))
     return subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--join-timeout", "60", *args],
                             env=env, stderr=subprocess.PIPE, text=True)
 
@@ -348,8 +348,10 @@ def test_status_of_a_running_leader_and_its_prometheus_metrics():
     import os
     import urllib.request
 
+    """Sabotage: the follower's core not sent when it joins (or not shown) → its node
+    says "unknown"."""
     port, metrics_port = free_port_pair(), free_port_pair()
-    proc = follower(port, "--node-rank", "1")
+    proc = follower(port, "--node-rank", "1", env={"ZBUS_PURE_PYTHON": "1"})  # this node's core: python
     try:
         with leader(port, nnodes=2, join_timeout=60, metrics_port=metrics_port) as ex:
             for i in range(20):
@@ -363,9 +365,11 @@ def test_status_of_a_running_leader_and_its_prometheus_metrics():
             st = json.loads(out.stdout)
             assert st["world_size"] == 2 and st["rpcs"] == 21 and st["errors"] == {"RemoteError": 1}
             assert [n["node_rank"] for n in st["nodes"]] == [0, 1] and st["nodes"][1]["ranks"] == [1]
+            assert [n["core"] for n in st["nodes"]] == [zbus.ring.CORE, "python"]
             assert 0 < st["latency_s"]["p50"] <= st["latency_s"]["p99"] and st["bytes_sent"] > 0
             text = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env).stdout
             assert "world size 2" in text and "node 1" in text and "rpcs 21" in text
+            assert f"ranks 0..0  core {zbus.ring.CORE}" in text and "ranks 1..1  core python" in text
             body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
             assert b"zbus_rpcs_total 21" in body and b'zbus_rpc_errors_total{kind="RemoteError"} 1' in body
         assert proc.wait(30) == 0

@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from . import codec, protocol, shm
+from . import codec, protocol, ring, shm
 from .cluster import (
     PROBE_TOPICS,
     TOPIC_HEARTBEAT,
@@ -228,7 +228,8 @@ class NodeAgent:
         self.ifname = ifname
         info = {"version": protocol.PROTOCOL_VERSION, "nproc": self.settings.nproc_per_node,
                 "host": socket.gethostname(), "address": self.advertise_addr or address,
-                "node_rank": -1 if self.node_rank is None else self.node_rank, "pid": os.getpid()}
+                "node_rank": -1 if self.node_rank is None else self.node_rank, "pid": os.getpid(),
+                "core": ring.CORE}
         deadline = time.monotonic() + self.join_timeout
         log.info("joining leader %s:%d as %s (%s via %s)", self.settings.master_addr,
                  self.settings.master_port, info["host"], info["address"], ifname)

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from . import ring
 from .baselines import PipeBaseline, ZmqBaseline, await_subscribers
 from .worker import Worker
 
@@ -704,7 +705,7 @@ def machine() -> dict:
     import psutil
 
     return {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "python": platform.python_version(), "platform": platform.platform(),
+            "python": platform.python_version(), "platform": platform.platform(), "core": ring.CORE,
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -755,6 +756,7 @@ def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = 
             return 2
         print(f"running {name} ...", file=sys.stderr, flush=True)
         rows += SCENARIOS[name](seconds)
+    print(f"zbus core: {ring.CORE}", file=out)
     print(format_markdown(rows) if markdown else format_table(rows), file=out)
     if json_path:
         with open(json_path, "w") as f:

@@ -62,7 +62,9 @@ def format_status(st: dict) -> str:
              f"errors {st['errors'] or 'none'}  dropped frames {st['dropped_frames']}", "nodes:"]
     for n in st["nodes"]:
         hb = f"  last heartbeat {n['last_heartbeat_s']:.1f} s ago" if "last_heartbeat_s" in n else ""
-        lines.append(f"  node {n['node_rank']}  {n['host']:<16} ranks {n['ranks'][0]}..{n['ranks'][-1]}{hb}")
+        core = f"  core {n['core']}" if "core" in n else ""
+        ranks = f"ranks {n['ranks'][0]}..{n['ranks'][-1]}"
+        lines.append(f"  node {n['node_rank']}  {n['host']:<16} {ranks}{core}{hb}")
     return "\n".join(lines)
 
 

@@ -202,7 +202,8 @@ class Executor:
     def _nodes_status(self) -> list[dict[str, Any]]:
         import socket as _socket
 
-        return [{"node_rank": 0, "host": _socket.gethostname(), "ranks": list(range(self.world_size))}]
+        return [{"node_rank": 0, "host": _socket.gethostname(), "ranks": list(range(self.world_size)),
+                 "core": ring.CORE}]
 
     def check_health(self) -> None:
         """Raise the executor's failure if it failed; else return None."""
@@ -539,7 +540,8 @@ class MultiprocExecutor(Executor):
             for node in sorted(self._leader.nodes.values(), key=lambda x: x.node_rank):
                 nodes.append({"node_rank": node.node_rank, "host": node.host, "address": node.address,
                               "ranks": list(range(node.node_rank * n, (node.node_rank + 1) * n)),
-                              "last_heartbeat_s": round(time.monotonic() - node.last_seen, 3)})
+                              "last_heartbeat_s": round(time.monotonic() - node.last_seen, 3),
+                              "core": node.core})
         return nodes
 
     def _await_ready(self, rank: int, deadline: float | None) -> None:

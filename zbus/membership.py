@@ -54,6 +54,7 @@ class NodeInfo:
     nproc: int
     pid: int
     last_seen: float
+    core: str = "unknown"  # its ring's core, as the node said (zbus.ring.CORE)
 
 
 
@@ -188,7 +189,7 @@ class Membership:
             self.failure.fail(ExecutorFailedError(f"node {info.get('host', '?')} refused: {e}"))
             return
         node = NodeInfo(node_rank, node_id, info["host"], info["address"], info["nproc"], info["pid"],
-                        time.monotonic())
+                        time.monotonic(), str(info.get("core", "unknown"))[:16])
         self.path.open_receivers(node_rank)
         sent = self.path.send_control(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,

@@ -36,6 +36,11 @@ Protocol (see docs/architecture.md for why it is safe):
 
 A message's byte stream is ``total u64 | nframes u64 | len u64 * nframes | frames``,
 each frame starting 64-byte aligned.
+
+The steps of every message (write one that fits a chunk, read it, publish a counter
+between fences, poll before sleeping) run in the compiled core ``zbus._core`` where
+it is built, else in their Python twins below, which do the same byte for byte;
+``CORE`` says which. ``ZBUS_PURE_PYTHON=1`` forces the Python steps.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import os
 import struct
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from . import shm
@@ -60,6 +66,20 @@ _W_MAGIC, _W_CHUNK, _W_TOKEN, _W_WSEQ = 0, 2, 3, 8
 # u32 word indices
 _I_NREADERS, _I_NCHUNKS, _I_WWAIT, _I_STATE, _I_CLOSED = 2, 3, 32, 33, 34
 _READER_BASE = 192
+
+
+def _load_core() -> Any:
+    if os.environ.get("ZBUS_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from . import _core
+    except ImportError:
+        return None
+    return _core
+
+
+_core = _load_core()
+CORE = "compiled" if _core is not None else "python"
 
 
 def _reader_off(r: int) -> int:
@@ -150,7 +170,7 @@ class _Ring:
         """Mark the ring dead and wake every waiter on it (any process may call this:
         used when a peer died). Blocked and later calls raise :class:`RingClosed`."""
         self._i[_I_STATE] = _ABORTED
-        shm.fence()
+        _fence()
         self._wake_all()
 
     def _ended(self) -> bool:
@@ -162,29 +182,20 @@ class _Ring:
             bell.ring()
 
     def _wait(self, ready: Callable[[], bool], flag: int, deadline: float | None, cancel: Any,
-              what: str, on_full: Callable[[], None] | None = None) -> None:
-        """Wait until ``ready()``: spin, yield, then sleep on our doorbell with our
-        waiting flag (u32 index ``flag``) raised."""
+              what: str, on_full: Callable[[], None] | None = None,
+              poll: Callable[[float, float], bool] | None = None) -> None:
+        """Wait until ``ready()``: spin, yield (``poll``, which checks the same), then
+        sleep on our doorbell with our waiting flag (u32 index ``flag``) raised."""
         pol = self._policy
-        now = time.monotonic()
-        spin_end = now + pol.spin_s
-        while now < spin_end:
-            if ready():
-                return
-            now = time.monotonic()
-        yield_end = now + pol.yield_s
-        while now < yield_end:
-            if ready():
-                return
-            os.sched_yield()
-            now = time.monotonic()
+        if (poll or partial(_poll, ready))(pol.spin_s, pol.yield_s):
+            return
         i = self._i
         try:
             while True:
                 if on_full is not None:
                     on_full()
                 i[flag] = 1
-                shm.fence()
+                _fence()
                 if ready():
                     return
                 self._raise_if_aborted()  # only when nothing is left to read or write
@@ -271,13 +282,16 @@ class RingWriter(_Ring):
         """
         if self._ended():
             raise RingClosed(f"ring {self.name} is closed")
+        if type(frames) is not list:
+            frames = list(frames)
+        if self._pending is None and (self._seq - self._min_read < self.n_chunks or self._has_space()):
+            # most calls: the message fits one free chunk and is written straight into it
+            if _write_message(self._buf, self._chunk(self._seq), frames, self.chunk_bytes) >= 0:
+                self._publish()
+                return
         views = [tuple(map(_byte_view, f)) if type(f) is tuple else _byte_view(f) for f in frames]
         lens = [sum(p.nbytes for p in v) if type(v) is tuple else v.nbytes for v in views]
         offsets, total = _layout(lens)
-        if self._pending is None and total <= self.chunk_bytes and (
-                self._seq - self._min_read < self.n_chunks or self._has_space()):
-            self._send_small(views, lens, offsets, total)  # most calls: one chunk, no wait
-            return
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.flush(deadline, cancel, on_full)
@@ -302,25 +316,6 @@ class RingWriter(_Ring):
             if isinstance(e, TimeoutError):
                 raise SendTimeout(str(e), queued=True) from None
             raise
-
-    def _send_small(self, views: list, lens: list[int], offsets: list[int], total: int) -> None:
-        """Write a message that fits one free chunk: header, frames and the padding
-        between them, straight into the chunk."""
-        buf, pos = self._buf, self._chunk(self._seq)
-        struct.pack_into(f"<{len(views) + 2}Q", buf, pos, total, len(views), *lens)
-        at = 16 + 8 * len(views)
-        for view, off, n in zip(views, offsets, lens):
-            if off > at:
-                buf[pos + at:pos + off] = _PAD[:off - at]
-            if type(view) is tuple:  # a frame given in parts, written back to back
-                start = pos + off
-                for part in view:
-                    buf[start:start + part.nbytes] = part
-                    start += part.nbytes
-            else:
-                buf[pos + off:pos + off + n] = view
-            at = off + n
-        self._publish()
 
     def flush(self, deadline: float | None = None, cancel: Any = None,
               on_full: Callable[[], None] | None = None) -> None:
@@ -347,10 +342,8 @@ class RingWriter(_Ring):
         self._pending = None
 
     def _publish(self) -> None:
-        shm.fence()
         self._seq += 1
-        self._q[_W_WSEQ] = self._seq
-        shm.fence()
+        _store(self._q, _W_WSEQ, self._seq)
         i = self._i
         for r, f in enumerate(self._reader_flags):
             if i[f]:
@@ -362,7 +355,7 @@ class RingWriter(_Ring):
         if self._seg._mmap is None:
             return
         self._i[_I_CLOSED] = 1  # never the state word: an abort there must stay
-        shm.fence()
+        _fence()
         self._wake_all()
         self._close_mapping()
         if unlink:
@@ -401,6 +394,7 @@ class RingReader(_Ring):
         self._pool = BufferPool()
         self._buf = seg.buf
         self._bell = shm.Doorbell(f"{self._bell_prefix}r{index}", f"reader {index}")
+        self._poll = self._poll_core if _core is not None else None
 
     def _has_data(self) -> bool:
         return self._q[_W_WSEQ] > self._pos
@@ -411,20 +405,22 @@ class RingReader(_Ring):
 
     def _next_chunk(self, deadline: float | None, cancel: Any) -> int:
         if not self._has_data():
-            self._wait(self._ready_or_closed, self._flag, deadline, cancel, "recv")
+            self._wait(self._ready_or_closed, self._flag, deadline, cancel, "recv", poll=self._poll)
             if not self._has_data():
                 raise RingClosed(f"ring {self.name} closed")
-        shm.fence()  # acquire: the chunk's bytes are read after write_seq
+        _fence()  # acquire: the chunk's bytes are read after write_seq
         return self._chunk(self._pos)
+
+    def _poll_core(self, spin_s: float, yield_s: float) -> bool:
+        """The compiled core's poll for this reader: data, a close or an abort."""
+        return _core.poll(self._q, _W_WSEQ, self._pos, (_I_CLOSED, _I_STATE), spin_s, yield_s)
 
     def _ready_or_closed(self) -> bool:
         return self._has_data() or self._ended()
 
     def _release(self) -> None:
-        shm.fence()  # our copy is complete before the writer may reuse the chunk
-        self._pos += 1
-        self._q[self._rseq_w] = self._pos
-        shm.fence()
+        self._pos += 1  # the store's first fence: our copy is complete before the writer may reuse the chunk
+        _store(self._q, self._rseq_w, self._pos)
         if self._i[_I_WWAIT]:
             self._writer_bell.ring()
 
@@ -438,6 +434,10 @@ class RingReader(_Ring):
         buf, cb = self._buf, self.chunk_bytes
         if self._partial is None:
             pos = self._next_chunk(deadline, cancel)
+            frames = _read_message(buf, pos, min(cb, BufferPool.MIN_BYTES - 1))
+            if frames is not None:  # most calls: a small message in one chunk
+                self._release()
+                return frames
             total = struct.unpack_from("<Q", buf, pos)[0]
             take = min(cb, total)
             out = self._pool.take(total)
@@ -465,7 +465,7 @@ class RingReader(_Ring):
         if self._seg._mmap is None:
             return
         self._i[self._detached] = 1
-        shm.fence()
+        _fence()
         self._writer_bell.ring()
         self._close_mapping()
 
@@ -559,7 +559,75 @@ def _exported(b: bytearray) -> bool:
 
 
 def _split_frames(out: memoryview) -> list[memoryview]:
-    n = struct.unpack_from("<Q", out, 8)[0]
+    n = struct.unpack_from("<Q", out, 8)[0] if len(out) >= 16 else -1
+    if not 0 <= n <= (len(out) - 16) // 8:
+        raise ValueError("corrupt message header")
     lens = struct.unpack_from(f"<{n}Q", out, 16)
-    offsets, _ = _layout(lens)
+    offsets, total = _layout(lens)
+    if total != len(out):
+        raise ValueError("corrupt message header")
     return [out[off:off + ln] for off, ln in zip(offsets, lens)]
+
+
+# --- the per-message steps in Python: twins of zbus._core's --------------------------
+
+
+def _poll_py(ready: Callable[[], bool], spin_s: float, yield_s: float) -> bool:
+    """Spin ``spin_s``, then yield the core ``yield_s`` more, until ``ready()``;
+    whether it became so."""
+    now = time.monotonic()
+    spin_end = now + spin_s
+    while now < spin_end:
+        if ready():
+            return True
+        now = time.monotonic()
+    yield_end = now + yield_s
+    while now < yield_end:
+        if ready():
+            return True
+        os.sched_yield()
+        now = time.monotonic()
+    return False
+
+
+def _store_py(words: memoryview, index: int, value: int) -> None:
+    """fence, ``words[index] = value``, fence: how a counter is published."""
+    shm.fence()
+    words[index] = value
+    shm.fence()
+
+
+def _write_message_py(buf: memoryview, at: int, frames: list, limit: int) -> int:
+    """Write the message of ``frames`` at ``buf[at:]`` and return its size; -1,
+    writing nothing, when it is over ``limit`` bytes."""
+    views = [tuple(map(_byte_view, f)) if type(f) is tuple else _byte_view(f) for f in frames]
+    lens = [sum(p.nbytes for p in v) if type(v) is tuple else v.nbytes for v in views]
+    offsets, total = _layout(lens)
+    if total > limit:
+        return -1
+    struct.pack_into(f"<{len(views) + 2}Q", buf, at, total, len(views), *lens)
+    end = 16 + 8 * len(views)
+    for view, off, n in zip(views, offsets, lens):
+        buf[at + end:at + off] = _PAD[:off - end]
+        start = at + off
+        for part in view if type(view) is tuple else (view,):  # a frame's parts, back to back
+            buf[start:start + part.nbytes] = part
+            start += part.nbytes
+        end = off + n
+    return total
+
+
+def _read_message_py(buf: memoryview, at: int, limit: int) -> list[memoryview] | None:
+    """The frames of the message at ``buf[at:]``, copied out; None, reading nothing
+    past its size word, when it is over ``limit`` bytes."""
+    total = struct.unpack_from("<Q", buf, at)[0]
+    if total > limit:
+        return None
+    return _split_frames(memoryview(bytearray(buf[at:at + total])))
+
+
+_poll = _poll_py
+_fence = _core.fence if _core is not None else shm.fence
+_store = _core.store if _core is not None else _store_py
+_write_message = _core.write_message if _core is not None else _write_message_py
+_read_message = _core.read_message if _core is not None else _read_message_py

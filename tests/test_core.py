@@ -1,0 +1,172 @@
+"""The compiled core (zbus._core) against its Python twins in zbus.ring: the same bytes,
+the same answers, the same refusals; and a ring whose ends run different cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+
+import pytest
+from conftest import spawn_python
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_ring import collect, start_readers
+
+from zbus import ring
+from zbus.config import RingGeometry
+from zbus.ring import RingWriter
+
+core = ring._core
+needs_core = pytest.mark.skipif(core is None,
+                                reason="the compiled core is not built here (or ZBUS_PURE_PYTHON)")
+
+
+def test_the_compiled_core_is_chosen_where_it_is_required():
+    """`make test` builds the core and sets ZBUS_REQUIRE_CORE: there, the ring must run
+    it, not fall back to Python unnoticed. Sabotage: a failed build (optional in
+    setup.py) or a ``_load_core`` that always returns None → fails."""
+    if not os.environ.get("ZBUS_REQUIRE_CORE"):
+        pytest.skip("ZBUS_REQUIRE_CORE is not set (only `make test` requires the core)")
+    assert ring.CORE == "compiled"
+    assert ring._write_message is core.write_message and ring._read_message is core.read_message
+
+
+frame = st.one_of(st.binary(max_size=300),
+                  st.lists(st.binary(max_size=90), max_size=4).map(tuple))
+
+
+@needs_core
+@settings(max_examples=300, deadline=None)
+@given(frames=st.lists(frame, max_size=10), at=st.sampled_from([0, 8, 64, 200]),
+       limit=st.integers(0, 3000))
+def test_write_message_matches_its_twin_byte_for_byte(frames, at, limit):
+    """Same size, same bytes (header, zero padding, frames), and nothing written when
+    over the limit. Sabotage: padding not zeroed, a frame's parts in reverse, the
+    limit compared with ``>=`` → differs."""
+    fill = os.urandom(at + 4096)
+    got = [bytearray(fill), bytearray(fill)]
+    sizes = [f(memoryview(b), at, list(frames), limit)
+             for f, b in zip((core.write_message, ring._write_message_py), got)]
+    assert sizes[0] == sizes[1]
+    assert got[0] == got[1]
+    if sizes[0] < 0:
+        assert got[0] == fill
+
+
+@needs_core
+@settings(max_examples=300, deadline=None)
+@given(frames=st.lists(frame, max_size=10), limit=st.integers(0, 3000))
+def test_read_message_matches_its_twin(frames, limit):
+    buf = memoryview(bytearray(4096))
+    size = ring._write_message_py(buf, 64, list(frames), 4096 - 64)
+    outs = [f(buf, 64, limit) for f in (core.read_message, ring._read_message_py)]
+    if size > limit:
+        assert outs == [None, None]
+        return
+    expected = [b"".join(f) if type(f) is tuple else f for f in frames]
+    for out in outs:
+        assert [bytes(f) for f in out] == expected
+        assert all(type(f) is memoryview and f.format == "B" and not f.readonly for f in out)
+
+
+@needs_core
+@pytest.mark.parametrize("header", [
+    (8, 0),  # shorter than its own header
+    (16, 1),  # one frame, no room for its length
+    (64, 2**61),  # a frame count that would overflow
+    (100, 1, 37),  # the frame ends before the total
+    (100, 1, 200),  # the frame ends after the total
+    (200, 2, 10, 2**63),  # a length that would wrap
+])
+def test_a_header_that_does_not_lay_out_to_its_size_is_refused_by_both(header):
+    """Sabotage: the C check ``end != total`` dropped, or ``n <= total`` → a read
+    past the message (or a wrong frame) instead of ValueError."""
+    buf = memoryview(bytearray(512))
+    struct.pack_into(f"<{len(header)}Q", buf, 0, *header)
+    for read in (core.read_message, ring._read_message_py):
+        with pytest.raises(ValueError, match="corrupt message header"):
+            read(buf, 0, 512)
+
+
+@needs_core
+def test_the_core_refuses_offsets_outside_the_mapping():
+    """A bad offset is a ValueError, never a write or read outside the segment.
+    Sabotage: ``check_range`` skipped in one of them → the test process crashes or
+    the assertion on the untouched buffer fails."""
+    buf = memoryview(bytearray(256))
+    for call in (lambda: core.write_message(buf, 250, [b"x" * 10], 1000),
+                 lambda: core.write_message(buf, -8, [b"x"], 1000),
+                 lambda: core.write_message(buf, 3, [b"x"], 1000),
+                 lambda: core.read_message(buf, 256, 1000),
+                 lambda: core.store(buf, 32, 1),
+                 lambda: core.store(buf, -1, 1),
+                 lambda: core.poll(buf, 32, 0, (), 0.0, 0.0),
+                 lambda: core.poll(buf, 0, 0, (64,), 0.0, 0.0)):
+        with pytest.raises(ValueError):
+            call()
+    assert bytes(buf) == bytes(256)
+    struct.pack_into("<Q", buf, 0, 1000)
+    with pytest.raises(ValueError):  # a size that runs past the mapping
+        core.read_message(buf, 0, 2000)
+
+
+@needs_core
+def test_store_writes_the_word_as_its_twin_does():
+    words = [memoryview(bytearray(64)).cast("Q") for _ in range(2)]
+    for f, w in zip((core.store, ring._store_py), words):
+        f(w, 3, 2**64 - 5)
+        f(w, 0, 7)
+    assert words[0].tolist() == words[1].tolist() == [7, 0, 0, 2**64 - 5, 0, 0, 0, 0]
+
+
+@needs_core
+def test_poll_ends_on_the_counter_or_a_stop_word_and_lets_other_threads_run():
+    """It returns at once when ready, False when its time runs out, and True when
+    another thread of this process moves the counter meanwhile: it waits without the
+    GIL. Sabotage: ``Py_BEGIN_ALLOW_THREADS`` removed → the setter thread cannot run
+    and poll returns False after its 5 s; ``>`` as ``>=`` → True at once below."""
+    buf = bytearray(128)
+    q, i = memoryview(buf).cast("Q"), memoryview(buf).cast("I")
+    q[1] = 5
+    assert core.poll(buf, 1, 4, (), 0.0, 0.0) is True
+    assert core.poll(buf, 1, 5, (4, 5), 0.001, 0.01) is False
+    i[5] = 1
+    assert core.poll(buf, 1, 5, (4, 5), 0.0, 0.0) is True
+    i[5] = 0
+    setter = threading.Timer(0.05, lambda: q.__setitem__(1, 6))
+    setter.start()
+    started = time.monotonic()
+    assert core.poll(buf, 1, 5, (4, 5), 0.0, 5.0) is True
+    assert time.monotonic() - started < 4
+    setter.join(5)
+
+
+@pytest.mark.parametrize("writer_core", ["compiled", "python"])
+def test_a_ring_carries_messages_between_ends_on_different_cores(monkeypatch, writer_core):
+    """A writer on one core, a reader on each (one process forced to Python): every
+    message arrives once, in order, intact, small ones in a chunk and streamed ones.
+    Sabotage: the C layout's alignment or header differs from the Python one → the
+    other core's reader sees corrupt messages."""
+    if writer_core == "compiled" and core is None:
+        pytest.skip("the compiled core is not built here")
+    if writer_core == "python":
+        monkeypatch.setattr(ring, "_write_message", ring._write_message_py)
+        monkeypatch.setattr(ring, "_store", ring._store_py)
+    writer = RingWriter.create(2, RingGeometry(4096, 4))
+    try:
+        handle = json.dumps(writer.handle.to_dict())
+        readers = start_readers(writer, 1, env={})
+        readers += [spawn_python("import sys, ring_procs; ring_procs.check_reader(sys.argv[1], 1, 0.0)",
+                                 handle, stdout=-1, env={"ZBUS_PURE_PYTHON": "1"})]
+        from ring_procs import make_message
+
+        for n in range(600):
+            writer.send(make_message(n, os.urandom(n * 37 % 9000)), timeout=30)
+        results = collect(writer, readers)
+    finally:
+        writer.close()
+    assert [(r["received"], r["out_of_sequence"], r["corrupted"]) for r in results] == [(600, 0, 0)] * 2
+    assert results[0]["digest"] == results[1]["digest"]
