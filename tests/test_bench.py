@@ -8,8 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import TEST_PATH
 
+from zbus import netns
 from zbus.bench import Row, format_table, plot_svg
 
 
@@ -58,3 +60,19 @@ def test_compare_runs_the_same_shapes_through_every_baseline(tmp_path):
     assert all(row["ratio"] > 0 for row in rows)
     assert all(row["extra"]["baseline CPU us/call"] > 0 for row in rows if row["case"].startswith("no-op"))
     assert (tmp_path / "p.svg").read_text().count("<polyline") == 2 * (len(expected) + 2)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(netns.unavailable() is not None, reason=f"no namespaces: {netns.unavailable()}")
+def test_nodes_runs_across_namespace_hosts():
+    """The `nodes` scenario leads its namespace nodes without keys, as asked for (the
+    `curve` scenario measures keys). Sabotage: the leader started without
+    ZBUS_INSECURE → it refuses to lead on a non-loopback address and the run fails."""
+    from zbus.bench import _run_nodes
+
+    rows = _run_nodes(2, 0.2, use_netns=True)
+    cases = {(r.case, r.baseline) for r in rows}
+    assert ("2 nodes, no-op, reply from rank 3", "pyzmq relay per node") in cases
+    assert [r.case for r in rows if r.scenario == "egress"] == ["2 nodes x 2 workers: zbus relay",
+                                                                 "2 nodes x 2 workers: direct fan-out"]
+    assert all(r.median_us > 0 for r in rows)
