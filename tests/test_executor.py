@@ -54,6 +54,8 @@ def test_torchrun_environment_and_worker_attributes(ex):
 def test_non_blocking_futures_complete_in_issue_order(ex):
     futs = [ex.collective_rpc("rank_value", args=(i,), non_block=True) for i in range(200)]
     assert isinstance(futs[0], concurrent.futures.Future)
+    assert [f.seq for f in futs] == list(range(futs[0].seq, futs[0].seq + 200))
+    assert futs[0].reply_ranks == [0, 1]
     # result() of the last completes all the earlier ones first
     assert futs[-1].result(timeout=30) == [1990, 1991]
     assert all(f.done() for f in futs)

@@ -437,9 +437,9 @@ class NodeAgent:
             raise ZbusError(f"a malformed call from the leader: {e}") from None
 
     def _relay(self, frames: list) -> None:
-        self._poll_until = time.monotonic() + self._poll_s
         """Relay calls in number order: a call sent again that we have is dropped;
         one after a gap waits until the gap is filled."""
+        self._poll_until = time.monotonic() + self._poll_s
         seq = _call_seq(frames[0])
         if seq is not None and seq <= self._last_seq:
             return

@@ -49,6 +49,66 @@ class StartupError(ExecutorFailedError):
     """A worker failed while starting; the message holds its traceback."""
 
 
+class Call:
+    """One sent call: the replies it waits for, then its outcome, set once by the
+    replies or by a failure (whichever comes first), and counted then. A blocking
+    call needs nothing more; a non-blocking one also completes its ``future``."""
+
+    __slots__ = ("executor", "seq", "reply_ranks", "unique", "replies", "started", "outcome", "future")
+
+    def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool,
+                 future: RpcFuture | None = None):
+        self.executor = executor
+        self.seq = seq
+        self.reply_ranks = list(reply_ranks)
+        self.unique = unique
+        self.replies: dict[int, tuple[int, Any]] = {}
+        self.started = time.perf_counter()
+        self.outcome: tuple[bool, Any] | None = None  # (ok, the value or the error)
+        self.future = future
+        if future is not None:
+            future._call = self
+
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    def finish(self) -> None:
+        """All replies are in: the result (rank order) or the first error."""
+        values = []
+        for rank in self.reply_ranks:
+            status, value = self.replies[rank]
+            if status == protocol.OK:
+                values.append(value)
+            elif status == protocol.REFUSED:
+                return self.settle(False, ZbusError(f"rank {rank}: {getattr(value, 'message', value)}"))
+            else:
+                return self.settle(False, RemoteError(rank, value.type_name, value.message, value.traceback))
+        self.settle(True, values[0] if self.unique else values)
+
+    def settle(self, ok: bool, value: Any) -> None:
+        """Set the outcome unless it is set (a reply and a failure may race)."""
+        with self.executor._settle_lock:
+            if self.outcome is not None:
+                return
+            self.outcome = (ok, value)
+        self.executor.metrics.rpc_done(time.perf_counter() - self.started, None if ok else value)
+        if self.future is not None:  # its callbacks run here, outside the lock
+            try:
+                if ok:
+                    self.future.set_result(value)
+                else:
+                    self.future.set_exception(value)
+            except concurrent.futures.InvalidStateError:  # cancelled by its holder
+                pass
+
+    def value(self) -> Any:
+        """The result of a settled call, or its error raised."""
+        ok, value = self.outcome
+        if ok:
+            return value
+        raise value
+
+
 class RpcFuture(concurrent.futures.Future):
     """The result of a non-blocking ``collective_rpc``. It completes by itself, so
     ``done()``, ``add_done_callback``, :func:`concurrent.futures.wait` and
@@ -56,49 +116,30 @@ class RpcFuture(concurrent.futures.Future):
     complete in issue order. ``result(timeout)`` raises :class:`TimeoutError` and
     leaves the call pending."""
 
-    def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool):
-        super().__init__()
-        self._started = time.perf_counter()
-        self._executor = executor
-        self.seq = seq
-        self.reply_ranks = list(reply_ranks)
-        self.unique = unique
-        self.replies: dict[int, tuple[int, Any]] = {}
+    _call: Call
 
-    # Counted as it completes, whoever completes it (a reply, a failure, a shutdown);
-    # not through a done-callback, which costs each call a lock and a closure.
-    def set_result(self, result: Any) -> None:
-        super().set_result(result)
-        self._executor.metrics.rpc_done(time.perf_counter() - self._started, None)
+    @property
+    def seq(self) -> int:
+        """The call's number."""
+        return self._call.seq
 
-    def set_exception(self, exception: BaseException | None) -> None:
-        super().set_exception(exception)
-        self._executor.metrics.rpc_done(time.perf_counter() - self._started, exception)
+    @property
+    def reply_ranks(self) -> list[int]:
+        """The ranks whose replies make the result."""
+        return self._call.reply_ranks
 
     def result(self, timeout: float | None = None) -> Any:
-        if not self.done():
-            self._executor._complete_until(self, deadline_of(timeout))
-        return super().result(0)
+        self._complete(timeout)
+        return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self.done():
-            self._executor._complete_until(self, deadline_of(timeout))
-        return super().exception(0)
+        self._complete(timeout)
+        return super().exception(timeout)
 
-    def _finish(self) -> None:
-        """All replies are in: set the result (rank order) or the first error."""
-        values = []
-        for rank in self.reply_ranks:
-            status, value = self.replies[rank]
-            if status == protocol.OK:
-                values.append(value)
-            elif status == protocol.REFUSED:
-                self.set_exception(ZbusError(f"rank {rank}: {getattr(value, 'message', value)}"))
-                return
-            else:
-                self.set_exception(RemoteError(rank, value.type_name, value.message, value.traceback))
-                return
-        self.set_result(values[0] if self.unique else values)
+    def _complete(self, timeout: float | None) -> None:
+        # Once the call is settled, its settler sets this future at once.
+        if not self._call.done():
+            self._call.executor._complete_until(self._call, deadline_of(timeout))
 
 
 def method_name(method: str | Callable) -> str:
@@ -188,6 +229,7 @@ class Executor:
         self.failure = Failure()  # shared with the leader: one error for every path
         self.metrics = Metrics()
         self._state_lock = threading.Lock()
+        self._settle_lock = threading.Lock()  # a call's outcome is set once (Call.settle)
         self._closed = False
 
     # --- public API ----------------------------------------------------------------
@@ -249,7 +291,8 @@ class Executor:
             raise ValueError(f"unique_reply_rank {unique_reply_rank} outside 0..{self.world_size - 1}")
         return method
 
-    def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
+    def _complete_until(self, call: Call, deadline: float | None) -> None:
+        """Read replies until ``call`` is settled; TimeoutError past ``deadline``."""
         raise NotImplementedError
 
 
@@ -273,16 +316,16 @@ class InprocExecutor(Executor):
         self._seq = 0
         self._worker = build_worker({"worker": worker, "kwargs": self.worker_kwargs}, {
             "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0})
-        self._futures: dict[int, RpcFuture] = {}
+        self._calls: dict[int, Call] = {}
         self._replies = ReplyPipe(self._deliver)
 
     def _deliver(self, reply: list) -> None:
         seq, status, value = reply
-        fut = self._futures.pop(seq)
+        call = self._calls.pop(seq)
         if status != protocol.OK and isinstance(value, BaseException):
             value = codec.ExceptionInfo.from_exception(value)
-        fut.replies[0] = (status, value)
-        fut._finish()
+        call.replies[0] = (status, value)
+        call.finish()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None, non_block: bool = False,
@@ -291,16 +334,17 @@ class InprocExecutor(Executor):
 
         method = self._check_call(method, unique_reply_rank)
         self._seq += 1
-        fut = RpcFuture(self, self._seq, [0], unique_reply_rank is not None)
-        self._futures[self._seq] = fut
+        # a method may return a Future, answered later: a blocking call waits on this one
+        call = Call(self, self._seq, [0], unique_reply_rank is not None, RpcFuture())
+        self._calls[self._seq] = call
         result, status = run_call(self._worker, method, args, kwargs, self.allow_import_calls)
         self._replies.send(self._seq, result, status)
-        return fut if non_block else fut.result(timeout)
+        return call.future if non_block else call.future.result(timeout)
 
-    def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
-        while not future.done():
+    def _complete_until(self, call: Call, deadline: float | None) -> None:
+        while not call.done():
             left = remaining(deadline, "collective_rpc")
-            concurrent.futures.wait([future], timeout=left)
+            concurrent.futures.wait([call.future], timeout=left)
 
     def shutdown(self) -> None:
         self._closed = True
@@ -447,7 +491,7 @@ class MultiprocExecutor(Executor):
         self._metrics_server: Any = None
         self._seq = 0
         self._answered = 0  # every call up to this number has all its replies
-        self._pending: collections.deque[RpcFuture] = collections.deque()
+        self._pending: collections.deque[Call] = collections.deque()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._completer = Completer(self)
@@ -569,11 +613,8 @@ class MultiprocExecutor(Executor):
             self._bcast.ring.abort()
         for rx in self._receivers:
             rx.abort()
-        for fut in list(self._pending):
-            try:
-                fut.set_exception(error)
-            except concurrent.futures.InvalidStateError:
-                pass
+        for call in list(self._pending):
+            call.settle(False, error)
 
     # --- calls ---------------------------------------------------------------------
 
@@ -593,8 +634,9 @@ class MultiprocExecutor(Executor):
             self._seq += 1
             frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,
                                              len(payload), self._answered), *payload]
-            fut = RpcFuture(self, self._seq, ranks, unique)
-            self._pending.append(fut)
+            # the future exists before the call is sent: whoever reads the replies completes it
+            call = Call(self, self._seq, ranks, unique, RpcFuture() if non_block else None)
+            self._pending.append(call)
             self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
             try:
                 self._publish(frames, deadline)
@@ -608,9 +650,11 @@ class MultiprocExecutor(Executor):
         finally:
             self._send_lock.release()
         if non_block:
-            self._completer.add(fut)
-            return fut
-        return fut.result(remaining(deadline, method))
+            self._completer.add(call.future)
+            return call.future
+        remaining(deadline, method)
+        self._complete_until(call, deadline)
+        return call.value()
 
     def _publish(self, frames: list, deadline: float | None) -> None:
         """One call to every rank: the local ring, and one copy per follower node.
@@ -642,15 +686,17 @@ class MultiprocExecutor(Executor):
         finally:
             self._recv_lock.release()
 
-    def _complete_until(self, future: RpcFuture, deadline: float | None) -> None:
+    def _complete_until(self, call: Call, deadline: float | None) -> None:
         left = remaining(deadline, "collective_rpc")
         if not self._completer.acquire_for_caller(self._recv_lock, -1 if left is None else left):
             raise TimeoutError("collective_rpc timed out waiting for replies")
         try:
-            while not future.done() and self._pending:
+            while not call.done() and self._pending:
                 self._complete_head(deadline)
         finally:
             self._recv_lock.release()
+        if not call.done():  # no longer pending, never settled: only a shutdown does that
+            raise self.failure.error or ZbusError("executor is shut down")
 
     def _complete_head(self, deadline: float | None) -> None:
         head = self._pending[0]
@@ -667,13 +713,9 @@ class MultiprocExecutor(Executor):
             self._accept(head, rank, reply)
         self._pending.popleft()
         self._answered = head.seq
-        if not head.done():
-            try:
-                head._finish()
-            except concurrent.futures.InvalidStateError:  # failed meanwhile by the monitor
-                pass
+        head.finish()  # (unless failed meanwhile by the monitor)
 
-    def _accept(self, head: RpcFuture, rank: int, reply: Any) -> None:
+    def _accept(self, head: Call, rank: int, reply: Any) -> None:
         if not (type(reply) is list and len(reply) == 4 and reply[0] == rank and reply[1] == head.seq):
             error = ExecutorFailedError(f"protocol error: expected the reply to call {head.seq} from "
                                         f"rank {rank}, got {str(reply)[:200]}")
@@ -740,11 +782,8 @@ class MultiprocExecutor(Executor):
         """Fail the pending calls and wake every blocked wait: a send is cancelled,
         a wait for a reply sees its queue aborted; both then raise ZbusError."""
         error = ZbusError("executor is shut down")
-        for fut in list(self._pending):
-            try:
-                fut.set_exception(self.failure.error or error)
-            except concurrent.futures.InvalidStateError:
-                pass
+        for call in list(self._pending):
+            call.settle(False, self.failure.error or error)
         self.failure.cancel_waits()
         for rx in self._receivers:
             rx.abort()
