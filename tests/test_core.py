@@ -77,13 +77,15 @@ def test_read_message_matches_its_twin(frames, limit):
     (8, 0),  # shorter than its own header
     (16, 1),  # one frame, no room for its length
     (64, 2**61),  # a frame count that would overflow
-    (100, 1, 37),  # the frame ends before the total
-    (100, 1, 200),  # the frame ends after the total
-    (200, 2, 10, 2**63),  # a length that would wrap
+    (100, 1, 37),  # the frame runs past the total
+    (100, 1, 200),  # the frame is longer than the total
+    (200, 1, 10),  # the frames end before the total
+    (200, 2, 10, 2**63),  # a length past the total
+    (200, 2, 2**64 - 64, 200),  # lengths that wrap around to end exactly at the total
 ])
 def test_a_header_that_does_not_lay_out_to_its_size_is_refused_by_both(header):
-    """Sabotage: the C check ``end != total`` dropped, or ``n <= total`` → a read
-    past the message (or a wrong frame) instead of ValueError."""
+    """Sabotage: the C check ``end != total`` dropped, or the per-frame one (``ok =
+    1``) → wrong frames instead of ValueError."""
     buf = memoryview(bytearray(512))
     struct.pack_into(f"<{len(header)}Q", buf, 0, *header)
     for read in (core.read_message, ring._read_message_py):
