@@ -67,7 +67,7 @@ class Call:
         self.outcome: tuple[bool, Any] | None = None  # (ok, the value or the error)
         self.future = future
         if future is not None:
-            future._call = self
+            future._call, future.seq, future.reply_ranks = self, seq, self.reply_ranks
 
     def done(self) -> bool:
         return self.outcome is not None
@@ -92,14 +92,18 @@ class Call:
                 return
             self.outcome = (ok, value)
         self.executor.metrics.rpc_done(time.perf_counter() - self.started, None if ok else value)
-        if self.future is not None:  # its callbacks run here, outside the lock
+        future = self.future
+        if future is not None:  # its callbacks run here, outside the lock
             try:
                 if ok:
-                    self.future.set_result(value)
+                    future.set_result(value)
                 else:
-                    self.future.set_exception(value)
+                    future.set_exception(value)
             except concurrent.futures.InvalidStateError:  # cancelled by its holder
                 pass
+            # Done: it needs the call no more. Without the cycle a call and the replies
+            # it holds go when their last holder drops them, not at the next collection.
+            future._call = None
 
     def value(self) -> Any:
         """The result of a settled call, or its error raised."""
@@ -116,17 +120,9 @@ class RpcFuture(concurrent.futures.Future):
     complete in issue order. ``result(timeout)`` raises :class:`TimeoutError` and
     leaves the call pending."""
 
-    _call: Call
-
-    @property
-    def seq(self) -> int:
-        """The call's number."""
-        return self._call.seq
-
-    @property
-    def reply_ranks(self) -> list[int]:
-        """The ranks whose replies make the result."""
-        return self._call.reply_ranks
+    _call: Call | None  # until the call settles
+    seq: int  # the call's number
+    reply_ranks: list[int]  # the ranks whose replies make the result
 
     def result(self, timeout: float | None = None) -> Any:
         self._complete(timeout)
@@ -138,8 +134,9 @@ class RpcFuture(concurrent.futures.Future):
 
     def _complete(self, timeout: float | None) -> None:
         # Once the call is settled, its settler sets this future at once.
-        if not self._call.done():
-            self._call.executor._complete_until(self._call, deadline_of(timeout))
+        call = self._call
+        if call is not None and not call.done():
+            call.executor._complete_until(call, deadline_of(timeout))
 
 
 def method_name(method: str | Callable) -> str:
