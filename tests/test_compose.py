@@ -45,3 +45,16 @@ def test_entrypoints_exist_and_run_the_roles():
     dockerfile = open(os.path.join(REPO, "nodes", "Dockerfile")).read()
     assert "torch==2.13.0" in dockerfile and "download.pytorch.org/whl/cpu" in dockerfile
     assert "ZBUS_HEALTH_FILE" in dockerfile
+
+
+def test_the_image_builds_zbus_with_its_compiled_core():
+    """What ``pip`` needs to build zbus's wheel with its core is copied into a stage
+    that has a compiler. Sabotage: setup.py left out of the COPY (the wheel would
+    build without the core, which is optional) → fails."""
+    dockerfile = open(os.path.join(REPO, "nodes", "Dockerfile")).read()
+    build = dockerfile.split("FROM ")[1]  # the first stage: it builds the wheel
+    copied = {src for line in build.splitlines() if line.startswith("COPY ")
+              for src in line.split()[1:-1]}
+    assert {"pyproject.toml", "setup.py", "README.md", "zbus"} <= copied, copied
+    assert "gcc" in build and "pip wheel" in build
+    assert "COPY --from=build /wheels" in dockerfile
