@@ -76,3 +76,19 @@ def test_nodes_runs_across_namespace_hosts():
     assert [r.case for r in rows if r.scenario == "egress"] == ["2 nodes x 2 workers: zbus relay",
                                                                  "2 nodes x 2 workers: direct fan-out"]
     assert all(r.median_us > 0 for r in rows)
+
+
+def test_paired_ratio_and_its_interval():
+    """Block by block, so a slow stretch that hits both sides cancels. Sabotage: the
+    ratio of the medians instead (0.37 here: the machine slowed 3x from the baseline's
+    third block on), or an interval that does not hold the ratio → fails."""
+    from zbus.bench import paired_ratio
+
+    a = [1.1, 1.1, 1.1, 3.3, 3.3]
+    b = [1.0, 1.0, 3.0, 3.0, 3.0]
+    ratio, low, high = paired_ratio(a, b)
+    assert round(ratio, 9) == 1.1 and low <= ratio <= high
+    a = [1.0, 1.2, 0.9, 1.1, 1.3, 1.0, 0.95, 1.05]
+    ratio, low, high = paired_ratio(a, [1.0] * 8)
+    assert low <= ratio <= high and low >= 0.9 and high <= 1.3 and low < high
+    assert paired_ratio(a, [1.0] * 8) == (ratio, low, high)  # seeded

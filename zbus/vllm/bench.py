@@ -137,7 +137,7 @@ def compare(engines: list[tuple[str, Any]], seconds: float, egress: Any = None) 
 
 def rows(case: str, samples: dict[str, dict], base: str) -> list[dict]:
     """The row of zbus (``samples["zbus"]``) beside vLLM's executor (``samples["mp"]``)."""
-    from ..bench import Row, _stats
+    from ..bench import Row, _stats, paired_ratio
 
     z, b = samples["zbus"], samples["mp"]
     med = lambda xs: statistics.median(xs) * 1e6 if xs else 0.0  # noqa: E731
@@ -145,6 +145,9 @@ def rows(case: str, samples: dict[str, dict], base: str) -> list[dict]:
              "baseline tokens/s": round(1 / statistics.median(b["step"]), 1),
              "control-plane us/step": round(med(z["control"]), 1),
              "baseline control-plane us/step": round(med(b["control"]), 1), "blocks": len(z["step"])}
+    ratio, low, high = paired_ratio(z["step"], b["step"])  # block by block: the same stretch of time
+    extra["paired ratio"] = round(ratio, 3)
+    extra["paired ratio 95% interval"] = f"{low:.3f}-{high:.3f}"
     if z["bytes"]:
         extra["leader egress B/step"] = round(statistics.median(z["bytes"]))
         extra["baseline leader egress B/step"] = round(statistics.median(b["bytes"]))
