@@ -289,9 +289,7 @@ class RingWriter(_Ring):
             if _write_message(self._buf, self._chunk(self._seq), frames, self.chunk_bytes) >= 0:
                 self._publish()
                 return
-        views = [tuple(map(_byte_view, f)) if type(f) is tuple else _byte_view(f) for f in frames]
-        lens = [sum(p.nbytes for p in v) if type(v) is tuple else v.nbytes for v in views]
-        offsets, total = _layout(lens)
+        views, lens, offsets, total = _views_and_layout(frames)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.flush(deadline, cancel, on_full)
@@ -478,6 +476,15 @@ _ALIGN = 64  # frames start 64-byte aligned in the message: tensors decode in pl
 _PAD = bytes(_ALIGN)
 
 
+def _views_and_layout(frames: Sequence[Any]) -> tuple[list, list[int], list[int], int]:
+    """Byte views of ``frames`` (a tuple of parts stays a tuple), their lengths, their
+    offsets in the message and its size."""
+    views = [tuple(map(_byte_view, f)) if type(f) is tuple else _byte_view(f) for f in frames]
+    lens = [sum(p.nbytes for p in v) if type(v) is tuple else v.nbytes for v in views]
+    offsets, total = _layout(lens)
+    return views, lens, offsets, total
+
+
 def _layout(lens: Sequence[int]) -> tuple[list[int], int]:
     """Offsets of frames of ``lens`` bytes in a message, and the message size."""
     pos, offsets = 16 + 8 * len(lens), []
@@ -600,9 +607,7 @@ def _store_py(words: memoryview, index: int, value: int) -> None:
 def _write_message_py(buf: memoryview, at: int, frames: list, limit: int) -> int:
     """Write the message of ``frames`` at ``buf[at:]`` and return its size; -1,
     writing nothing, when it is over ``limit`` bytes."""
-    views = [tuple(map(_byte_view, f)) if type(f) is tuple else _byte_view(f) for f in frames]
-    lens = [sum(p.nbytes for p in v) if type(v) is tuple else v.nbytes for v in views]
-    offsets, total = _layout(lens)
+    views, lens, offsets, total = _views_and_layout(frames)
     if total > limit:
         return -1
     struct.pack_into(f"<{len(views) + 2}Q", buf, at, total, len(views), *lens)
