@@ -648,6 +648,85 @@ def test_liveness_runs_on_the_io_thread_while_a_caller_is_blocked_publishing():
         lead.close()
 
 
+def test_heartbeats_reach_the_other_nodes_while_one_node_stalls_the_calls():
+    """A node stops reading (its queue fills, so a call waits on it, holding the XPUB
+    socket): the other nodes must still hear the leader, or they take it for lost
+    and leave, and the failure blames them instead of the stalled node. While the
+    call waits, the heartbeats go out on each node's own topic that has room, and
+    the call stays waiting for all. Sabotage: send heartbeats as one broadcast
+    only (``send_beat`` returns after the first ``sent_now``), or keep the socket
+    for the whole wait (no ``turn.let_others()`` in ``queues._send_waiting``): no
+    heartbeat reaches the healthy node while the call waits."""
+    from zbus.errors import Cancelled, SendTimeout
+    from zbus.membership import NodeInfo
+
+    lead, port = bare_leader(nnodes=3)
+    ctx = zmq.Context()
+    slow, healthy, push = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    state: dict = {"since": None, "error": None}
+    stop = threading.Event()
+
+    def publish_until_blocked():
+        try:
+            while True:
+                state["since"] = time.monotonic()
+                lead.bcast.publish_frames([bytes(2**20)], 20.0, TOPIC_RPC, cancel=lead.failure.cancel,
+                                          lock=lead.xpub_lock)
+        except (Cancelled, SendTimeout) as e:
+            state["error"] = e
+
+    def nodes_live() -> None:  # for the leader, both nodes are alive
+        while not stop.wait(0.05):
+            for rank in (1, 2):
+                push.send_multipart(codec.encode(["hb", rank, 0]))
+
+    def heartbeats_heard(seconds: float) -> int:
+        end, n = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            if healthy.poll(50, zmq.POLLIN):
+                topic, *frames = healthy.recv_multipart()
+                n += topic != TOPIC_RPC and codec.decode(frames)[0] == "hb"
+        return n
+
+    beating = threading.Thread(target=nodes_live, daemon=True)
+    caller = threading.Thread(target=publish_until_blocked, daemon=True)
+    try:
+        slow.setsockopt(zmq.RCVHWM, 1)
+        for sub, node_id in ((slow, "id2"), (healthy, "id1")):  # as an agent subscribes
+            for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(node_id)):
+                sub.setsockopt(zmq.SUBSCRIBE, topic)
+            sub.connect(f"tcp://127.0.0.1:{port}")
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        t0 = time.monotonic()
+        for rank in (1, 2):
+            lead.nodes[rank] = NodeInfo(rank, f"id{rank}", f"node{rank}", "127.0.0.1", 1, 0, t0)
+        lead.membership.formed = True
+        lead.start()
+        beating.start()
+        wait_until(lambda: heartbeats_heard(0.3) > 0, 20, "a first heartbeat on the healthy node")
+        caller.start()
+        # the healthy node reads its calls: only the stalled one fills
+        wait_until(lambda: (heartbeats_heard(0.05), state["since"] is not None
+                            and time.monotonic() - state["since"] > 0.3)[1], 20, "the caller blocked")
+        blocked_at = state["since"]
+        heard = heartbeats_heard(2.0)
+        print(f"the call waited {time.monotonic() - blocked_at:.1f} s on the stalled node; "
+              f"heartbeats heard by the other node meanwhile: {heard} (one per 0.2 s)")
+        assert state["since"] == blocked_at and state["error"] is None  # still the same waiting call
+        assert lead.failure.error is None
+        assert heard >= 5
+    finally:
+        lead.failure.fail(zbus.ExecutorFailedError("the test is over"))  # wakes the caller
+        for thread in (caller, beating):
+            stop.set()
+            if thread.is_alive():
+                thread.join(5)
+        lead.close()
+        for sock in (slow, healthy, push):
+            sock.close(linger=0)
+        ctx.term()
+
+
 def test_a_sustained_burst_of_small_calls_keeps_the_slowest_node_alive():
     """Non-blocking calls non-stop for 3 x the 2 s liveness limit; node 1's worker is
     the slowest consumer (5 ms a call), and its agent never sleeps on the full ring
@@ -696,6 +775,32 @@ def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
             print(f"node 2 ended {elapsed:.2f} s after the executor failed (no shutdown)")
             assert not alive and elapsed < 3.0
             assert procs[1].wait(1) == 0
+        finally:
+            ex.shutdown()
+    finally:
+        for p in procs:
+            end_process(p)
+
+
+def test_a_node_takes_the_heartbeat_on_its_own_topic_as_on_the_broadcast_one():
+    """While a node stalls the broadcasts, the others get the leader's heartbeat on
+    their node topic (see the test above): what it says counts there too. Here the
+    leader says ``failed`` on node 2's topic alone: node 2 ends its worker and exits
+    0 at once, node 1 goes on. Sabotage: handle heartbeats only on ``H`` in
+    ``NodeAgent._serve``: node 2 ignores it and stays."""
+    port = free_port_pair()
+    procs = [follower(port, "--node-rank", "1"), follower(port, "--node-rank", "2")]
+    try:
+        ex = leader(port, join_timeout=60)
+        try:
+            node2 = [psutil.Process(procs[1].pid), *psutil.Process(procs[1].pid).children()]
+            assert len(node2) == 2  # agent + worker
+            lead = ex._leader
+            assert lead.path.send_control(node_topic(lead.nodes[2].node_id), ["failed", "a test"])
+            gone, alive = psutil.wait_procs(node2, timeout=3)
+            assert not alive, "node 2 did not end on a failure said on its node topic"
+            assert procs[1].wait(1) == 0
+            assert procs[0].poll() is None
         finally:
             ex.shutdown()
     finally:

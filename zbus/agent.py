@@ -337,12 +337,11 @@ class NodeAgent:
                         self._relay(self._call_frames(topic, frames[1:]))
                     elif topic in PROBE_TOPICS:
                         self._on_probe(topic, self._decode(frames[1:]))
-                    elif topic == node_topic(self.node_id):
+                    elif topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id):
+                        # (heartbeats come on the node topic while another node stalls broadcasts)
                         msg = self._decode(frames[1:])
                         if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
                             raise ZbusError(f"the leader dropped this node: {str(msg[1:])[:200]}")
-                    elif topic == TOPIC_HEARTBEAT:
-                        msg = self._decode(frames[1:])
                         if msg == ["stopping"]:
                             self.workers.stopping = True
                         elif type(msg) is list and len(msg) == 2 and msg[0] == "hb":

@@ -26,11 +26,11 @@ from typing import Any, Callable
 import zmq
 
 from . import codec, protocol
-from .cluster import TOPIC_RPC, ClusterSettings, brief, node_topic
+from .cluster import TOPIC_HEARTBEAT, TOPIC_RPC, ClusterSettings, brief, node_topic
 from .curve import LeaderCurve
 from .errors import CodecError, RingClosed
 from .metrics import Metrics
-from .queues import Broadcaster, deadline_of, remaining, send_frames, send_message
+from .queues import Broadcaster, deadline_of, remaining, send_frames, send_message, sent_now
 
 log = logging.getLogger(__name__)
 
@@ -288,16 +288,12 @@ class DataPath:
         """Send a call to the nodes only (after a failure the local ring is aborted)
         within ``timeout`` seconds: whether it was queued (False: the XPUB socket
         stayed busy, or a node full)."""
-        if not self.xpub_lock.acquire(timeout=timeout):
-            return False
         try:
             send_frames(self.bcast.xpub, self.bcast.wire(TOPIC_RPC, frames), deadline_of(timeout),
-                        "broadcast to nodes")
+                        "broadcast to nodes", lock=self.xpub_lock)
             return True
         except TimeoutError:
             return False
-        finally:
-            self.xpub_lock.release()
 
     def sent(self, seq: int, frames: list, node_ranks: list[int]) -> None:
         """Call ``seq`` was queued for the nodes ``node_ranks`` (the executor's sending
@@ -323,25 +319,33 @@ class DataPath:
             return False
         topic = node_topic(node_id) + TOPIC_RPC
         for frames in calls:
-            if not self.xpub_lock.acquire(timeout=1.0):
-                return False
             try:
                 send_frames(self.bcast.xpub, self.bcast.wire(topic, frames), deadline_of(1.0),
-                            "send calls again")
+                            "send calls again", lock=self.xpub_lock)
             except TimeoutError:
                 return False
-            finally:
-                self.xpub_lock.release()
         self.calls_again += len(calls)
         return True
 
     def send_control(self, topic: bytes, obj: Any, timeout: float = 5.0) -> bool:
         """Send a control message to the nodes; False if the XPUB socket stayed busy
         (an RPC blocked on a full node) or full for ``timeout``."""
+        return send_message(self.bcast.xpub, obj, timeout, "control send", topic, self.xpub_lock)
+
+    def send_beat(self, obj: Any, node_ids: list[str], timeout: float) -> bool:
+        """Send a heartbeat (or ``failed``) to the nodes without waiting on any: one
+        broadcast, or, while some node's queue is full (a stalled node, which makes
+        every broadcast wait), a copy on each node's own topic that has room, so the
+        other nodes still hear the leader. False if none went out, or the socket
+        stayed busy for ``timeout``."""
+        frames = codec.encode(obj)
         if not self.xpub_lock.acquire(timeout=timeout):
             return False
         try:
-            return send_message(self.bcast.xpub, obj, timeout, "control send", topic)
+            if sent_now(self.bcast.xpub, [TOPIC_HEARTBEAT, *frames], "heartbeat"):
+                return True
+            sent = [sent_now(self.bcast.xpub, [node_topic(n), *frames], "heartbeat") for n in node_ids]
+            return any(sent)
         finally:
             self.xpub_lock.release()
 

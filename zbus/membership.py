@@ -293,7 +293,8 @@ class Membership:
         if now >= next_hb or (error is not None and not told):
             # a failed executor says so instead of heartbeating: its nodes free their GPUs
             hb = ["hb", self.path.sent_seq] if error is None else ["failed", brief(str(error))]
-            if self.path.send_control(TOPIC_HEARTBEAT, hb, timeout=s.heartbeat_s / 2):
+            ids = [n.node_id for n in list(self.nodes.values())]
+            if self.path.send_beat(hb, ids, timeout=s.heartbeat_s / 2):
                 told = error is not None
             else:
                 log.warning("heartbeat not sent: a node is not taking messages")

@@ -28,6 +28,8 @@ from .errors import Cancelled, CodecError, SendTimeout, ZbusError
 from .ring import RingHandle, RingReader, RingWriter
 
 WAIT_SLICE_S = 0.1  # a blocked send or lock wait checks its cancel event this often
+LOCK_TURN_S = 0.02  # a send waiting on a full peer lets other threads have the socket this often
+LOCK_PAUSE_S = 0.001  # ... for this long
 
 
 def deadline_of(timeout: float | None) -> float | None:
@@ -65,7 +67,7 @@ def bracket(host: str) -> str:
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str,
-                cancel: Any = None) -> None:
+                cancel: Any = None, lock: Any = None) -> None:
     """Send a multipart message, each frame copied once into ZeroMQ's own memory:
     the caller may change its buffers as soon as this returns, however long the
     message then waits for a slow peer.
@@ -75,39 +77,57 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
     ``queued=False`` (nothing was sent), or until ``cancel`` is set
     (:class:`Cancelled`). The wait sleeps in ZeroMQ, woken when the peer makes
     room: an XPUB socket reports itself writable even at its high-water mark, so
-    polling it would spin.
+    polling it would spin. ``lock``, when given, serialises the socket with other
+    threads: taken by ``deadline``, and let go between the waits of the first
+    frame, while nothing of the message is queued, so that a full peer does not
+    hold up another thread's sends (the heartbeats).
     """
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        flags = zmq.SNDMORE if i < last else 0
-        try:
-            sock.send(frame, flags | zmq.NOBLOCK, copy=True)
-        except zmq.Again:
-            _send_waiting(sock, frame, flags, deadline, what, cancel)
+    with _Turn(lock, deadline, what, cancel) as turn:
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            flags = zmq.SNDMORE if i < last else 0
+            try:
+                sock.send(frame, flags | zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                _send_waiting(sock, frame, flags, deadline, what, cancel, turn if i == 0 else None)
+
+
+def sent_now(sock: zmq.Socket, frames: Sequence[Any], what: str) -> bool:
+    """Send ``frames`` if every subscriber they go to has room now: whether they
+    went (False: nothing was sent, a queue is full)."""
+    try:
+        send_frames(sock, frames, time.monotonic(), what)
+    except TimeoutError:
+        return False
+    return True
 
 
 def send_message(sock: zmq.Socket, obj: Any, timeout: float, what: str,
-                 topic: bytes | None = None) -> bool:
+                 topic: bytes | None = None, lock: Any = None) -> bool:
     """Encode ``obj`` and send it (after ``topic``, if given) within ``timeout``
     seconds: a control message, small and never urgent. Whether it was sent (False:
     the peer took nothing in time)."""
     frames = codec.encode(obj)
     try:
-        send_frames(sock, frames if topic is None else [topic, *frames], deadline_of(timeout), what)
+        send_frames(sock, frames if topic is None else [topic, *frames], deadline_of(timeout), what,
+                    lock=lock)
     except TimeoutError:
         return False
     return True
 
 
 def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | None, what: str,
-                  cancel: Any) -> None:
+                  cancel: Any, turn: _Turn | None) -> None:
     """Send one frame that ZeroMQ did not take at once: blocking sends of at most
-    ``WAIT_SLICE_S`` each, checking the deadline and ``cancel`` between them."""
+    ``WAIT_SLICE_S`` each (``LOCK_TURN_S`` while another thread may want the
+    socket: ``turn``), checking the deadline and ``cancel`` between them."""
+    shared = turn is not None and turn.lock is not None
     try:
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"{what} cancelled")
-            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+            left = LOCK_TURN_S if shared else WAIT_SLICE_S
+            left = left if deadline is None else min(left, deadline - time.monotonic())
             if left <= 0:
                 raise SendTimeout(f"{what} timed out", queued=False)
             sock.setsockopt(zmq.SNDTIMEO, max(1, int(left * 1000)))
@@ -115,9 +135,42 @@ def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | No
                 sock.send(frame, flags, copy=True)
                 return
             except zmq.Again:
-                pass
+                if shared:
+                    turn.let_others()
     finally:
         sock.setsockopt(zmq.SNDTIMEO, -1)
+
+
+class _Turn:
+    """A thread's hold on ``lock`` (or on nothing) for one send: taken by the
+    deadline, let go for a moment between waits, released at the end, and never
+    released when not held."""
+
+    def __init__(self, lock: Any, deadline: float | None, what: str, cancel: Any) -> None:
+        self.lock, self.deadline, self.what, self.cancel = lock, deadline, what, cancel
+        self.held = False
+
+    def __enter__(self) -> _Turn:
+        self._take()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.held:
+            self.held = False
+            self.lock.release()
+
+    def _take(self) -> None:
+        if self.lock is not None:
+            acquire(self.lock, self.deadline, self.what, self.cancel)
+            self.held = True
+
+    def let_others(self) -> None:
+        """Release, pause (a lock is not fair: without the pause this thread would
+        take it straight back from a waiting one), and take it again by the deadline."""
+        self.held = False
+        self.lock.release()
+        time.sleep(LOCK_PAUSE_S)
+        self._take()
 
 
 def acquire(lock: Any, deadline: float | None, what: str, cancel: Any = None) -> None:
@@ -210,14 +263,8 @@ class Broadcaster:
             except TimeoutError as e:
                 raise SendTimeout(str(e), queued=False) from None
         if self.xpub is not None:
-            what = "broadcast to remote nodes"
-            if lock is not None:
-                acquire(lock, deadline, what, cancel)
-            try:
-                send_frames(self.xpub, self.wire(topic, frames), deadline, what, cancel)
-            finally:
-                if lock is not None:
-                    lock.release()
+            send_frames(self.xpub, self.wire(topic, frames), deadline, "broadcast to remote nodes",
+                        cancel, lock)
             if on_queued is not None:
                 on_queued()
         if ring is not None:
