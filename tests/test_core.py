@@ -30,8 +30,11 @@ def test_the_compiled_core_is_chosen_where_it_is_required():
     setup.py) or a ``_load_core`` that always returns None → fails."""
     if not os.environ.get("ZBUS_REQUIRE_CORE"):
         pytest.skip("ZBUS_REQUIRE_CORE is not set (only `make test` requires the core)")
+    import zmq  # noqa: F401 - the relay finds the libzmq that pyzmq loads
+
     assert ring.CORE == "compiled"
     assert ring._write_message is core.write_message and ring._read_message is core.read_message
+    assert core.relay_ready()  # the node agent relays calls in C
 
 
 frame = st.one_of(st.binary(max_size=300),
@@ -172,3 +175,125 @@ def test_a_ring_carries_messages_between_ends_on_different_cores(monkeypatch, wr
         writer.close()
     assert [(r["received"], r["out_of_sequence"], r["corrupted"]) for r in results] == [(600, 0, 0)] * 2
     assert results[0]["digest"] == results[1]["digest"]
+
+
+# --- the relay: one call from a ZeroMQ socket straight into the ring ----------------
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two connected ZeroMQ sockets (sender, receiver) in this process; each test
+    takes every message it sends."""
+    import zmq
+
+    ctx = zmq.Context()
+    tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    tx.bind(f"inproc://relay-{id(ctx)}")
+    rx.connect(f"inproc://relay-{id(ctx)}")
+    assert core is None or core.relay_ready()
+    yield tx, rx
+    ctx.destroy(linger=0)
+
+
+def relay(rx, buf: memoryview, seq: int, at: int = 64, limit: int = 2048, topic: bytes = b"R"):
+    """relay_one once the message is there (inproc hands it over at once)."""
+    for _ in range(1000):
+        got = core.relay_one(rx.underlying, buf, at, limit, topic, seq)
+        if got is not None:
+            return got
+        time.sleep(0.001)
+    raise AssertionError("nothing arrived")
+
+
+@needs_core
+@settings(max_examples=200, deadline=None)
+@given(payload=st.lists(st.binary(max_size=500), max_size=6), seq=st.integers(1, 2**64 - 1),
+       method=st.text(st.characters(max_codepoint=127), max_size=40),
+       reply_rank=st.integers(-2**63, 2**63 - 1))
+def test_relay_one_writes_a_call_as_write_message_does(pair, payload, seq, method, reply_rank):
+    """A call in number order is written into the ring byte for byte as
+    write_message writes its frames, and not otherwise touched. Sabotage: a frame's
+    padding not zeroed, the length word of the wrong frame, a msgpack integer width
+    misread → differs or falls to the Python path (a list)."""
+    from zbus import protocol
+
+    tx, rx = pair
+    frames = [protocol.call_envelope(seq, method, reply_rank, len(payload)), *payload]
+    fill = os.urandom(4096)
+    got, want = bytearray(fill), bytearray(fill)
+    tx.send_multipart([b"R", *frames])
+    size = relay(rx, memoryview(got), seq)
+    written = core.write_message(memoryview(want), 64, frames, 2048)
+    if type(size) is list:  # over the limit: the Python path gets it
+        assert written == -1 and size == [b"R", *frames] and got == want
+        return
+    assert size == written and got == want
+
+
+@needs_core
+def test_relay_one_hands_every_other_message_to_python_whole(pair):
+    """Another topic, a call out of number order, one over the limit, a STOP, an
+    envelope the Python path alone judges, more parts than the C stack holds: the
+    parts as sent, the mapping untouched; nothing there: None. Sabotage: compare
+    ``seq == want`` dropped → the out-of-order call is written; ``more`` parts
+    not drained → the 100-part message comes back short."""
+    import msgpack
+
+    from zbus import protocol
+
+    tx, rx = pair
+    buf = memoryview(bytearray(4096))
+    call = protocol.call_envelope(7, "noop", 0, 1)
+    cases = [[b"H", call, b"x"], [b"R", call, b"x"], [b"NR", call, b"x"],
+             [b"R", protocol.call_envelope(8, "noop", 0, 1), b"x" * 3000],
+             [b"R", msgpack.packb([protocol.STOP])],
+             [b"R", msgpack.packb([True, 8, "noop", 0, 0, 0])],  # True == CALL in Python
+             [b"R", msgpack.packb([1, 8, "né", 0, 0, 0])],  # not ASCII
+             [b"R", msgpack.packb([1, 8, "noop", 0, 0, 0]) + b"\x00"],  # bytes after it
+             [b"R", msgpack.packb([1, 8, "noop", 0, 0])],
+             [b"R"], [b"R", *[b"p"] * 100]]
+    for parts in cases:
+        tx.send_multipart(parts)
+        assert relay(rx, buf, 8) == parts
+    assert bytes(buf) == bytes(4096)
+    assert core.relay_one(rx.underlying, buf, 64, 2048, b"R", 8) is None
+    tx.send_multipart([b"R", protocol.call_envelope(8, "noop", 0, 1), b"x"])
+    assert relay(rx, buf, 8, at=4000) == [b"R", protocol.call_envelope(8, "noop", 0, 1), b"x"]  # no room
+    assert bytes(buf) == bytes(4096)
+
+
+@needs_core
+@settings(max_examples=300, deadline=None)
+@given(envelope=st.lists(st.one_of(st.integers(-2**63, 2**64 - 1), st.booleans(), st.none(),
+                                   st.text(max_size=5), st.binary(max_size=3)), max_size=7))
+def test_relay_one_takes_only_calls_the_python_relay_numbers_alike(pair, envelope):
+    """Any envelope the compiled relay writes as call ``seq`` is one that
+    ``zbus.protocol.read_envelope`` reads as that call. Sabotage: skip the checks of
+    the last three items → a list Python refuses is relayed as a call."""
+    import msgpack
+
+    from zbus.agent import _call_seq
+
+    tx, rx = pair
+    frame = msgpack.packb(envelope)
+    seq = envelope[1] if len(envelope) > 1 and type(envelope[1]) is int and envelope[1] > 0 else 1
+    tx.send_multipart([b"R", frame])
+    got = relay(rx, memoryview(bytearray(4096)), seq)
+    if type(got) is int:
+        assert _call_seq(frame) == seq
+    else:
+        assert got == [b"R", frame]
+
+
+@needs_core
+def test_wait_readable_ends_on_a_message_or_its_time_without_the_gil(pair):
+    """Sabotage: ``Py_BEGIN_ALLOW_THREADS`` removed → the sending thread cannot run
+    and the wait ends False after its 5 s."""
+    tx, rx = pair
+    assert core.wait_readable(rx.underlying, 0.01) is False
+    sender = threading.Timer(0.05, lambda: tx.send(b"x"))
+    sender.start()
+    started = time.monotonic()
+    assert core.wait_readable(rx.underlying, 5.0) is True
+    assert time.monotonic() - started < 4
+    sender.join(5)
+    assert core.wait_readable(rx.underlying, 0.0) is True  # still there: it only waits

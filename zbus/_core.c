@@ -7,8 +7,11 @@
  * argument as the Python path (docs/architecture.md), with the fence the compiler's
  * own (mfence on x86-64, dmb ish on AArch64).
  */
+#define _GNU_SOURCE /* dl_iterate_phdr, RTLD_NOLOAD */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
+#include <link.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -325,12 +328,303 @@ static PyObject *core_poll(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyBool_FromLong(got);
 }
 
+
+/* --- The agent's relay: one call from a ZeroMQ socket straight into the ring ------------------
+ *
+ * libzmq is the one pyzmq loaded (found among the loaded objects, not linked: zbus builds
+ * without its headers); the socket is pyzmq's own handle (Socket.underlying), used only by
+ * the thread that calls here. zmq_msg_t is 64 opaque bytes in every libzmq 4.x. */
+
+typedef struct { unsigned char _[64]; } __attribute__((aligned(8))) zmsg_t;
+#define ZMQ_DONTWAIT_FLAG 1
+static int (*z_msg_init)(zmsg_t *);
+static int (*z_msg_recv)(zmsg_t *, void *, int);
+static int (*z_msg_close)(zmsg_t *);
+static void *(*z_msg_data)(zmsg_t *);
+static size_t (*z_msg_size)(const zmsg_t *);
+static int (*z_msg_more)(const zmsg_t *);
+static int (*z_errno)(void);
+static int (*z_getsockopt)(void *, int, void *, size_t *);
+static int zmq_bound; /* 1: found (looked for again until then: zmq may be imported later) */
+
+static int find_libzmq(struct dl_phdr_info *info, size_t size, void *found) {
+    if (info->dlpi_name != NULL && strstr(info->dlpi_name, "libzmq") != NULL) {
+        *(void **)found = dlopen(info->dlpi_name, RTLD_NOW | RTLD_NOLOAD);
+        return *(void **)found != NULL;
+    }
+    return 0;
+}
+
+static int bind_libzmq(void) {
+    if (zmq_bound)
+        return zmq_bound;
+    void *lib = NULL;
+    dl_iterate_phdr(find_libzmq, &lib);
+    if (lib == NULL)
+        return -1;
+    *(void **)&z_msg_init = dlsym(lib, "zmq_msg_init");
+    *(void **)&z_msg_recv = dlsym(lib, "zmq_msg_recv");
+    *(void **)&z_msg_close = dlsym(lib, "zmq_msg_close");
+    *(void **)&z_msg_data = dlsym(lib, "zmq_msg_data");
+    *(void **)&z_msg_size = dlsym(lib, "zmq_msg_size");
+    *(void **)&z_msg_more = dlsym(lib, "zmq_msg_more");
+    *(void **)&z_errno = dlsym(lib, "zmq_errno");
+    *(void **)&z_getsockopt = dlsym(lib, "zmq_getsockopt");
+    if (z_msg_init && z_msg_recv && z_msg_close && z_msg_data && z_msg_size && z_msg_more && z_errno
+        && z_getsockopt)
+        zmq_bound = 1;
+    return zmq_bound == 1 ? 1 : -1;
+}
+
+PyDoc_STRVAR(relay_ready_doc,
+             "relay_ready()\n--\n\n"
+             "Whether relay_one can run: the libzmq that pyzmq loaded (import zmq first) was found.");
+
+static PyObject *core_relay_ready(PyObject *self, PyObject *unused) { return PyBool_FromLong(bind_libzmq() == 1); }
+
+/* A msgpack integer at p[0..n): its bytes used (0: not an integer). Unsigned formats only
+ * when `unsigned_only`; the value in *value (signed ones as two's complement). */
+static size_t mp_int(const unsigned char *p, size_t n, int unsigned_only, uint64_t *value) {
+    if (n == 0)
+        return 0;
+    unsigned char b = p[0];
+    if (b <= 0x7f || (!unsigned_only && b >= 0xe0)) {
+        *value = b <= 0x7f ? b : (uint64_t)(int64_t)(int8_t)b;
+        return 1;
+    }
+    size_t width;
+    int is_signed = 0;
+    switch (b) {
+    case 0xcc: width = 1; break;
+    case 0xcd: width = 2; break;
+    case 0xce: width = 4; break;
+    case 0xcf: width = 8; break;
+    case 0xd0: width = 1; is_signed = 1; break;
+    case 0xd1: width = 2; is_signed = 1; break;
+    case 0xd2: width = 4; is_signed = 1; break;
+    case 0xd3: width = 8; is_signed = 1; break;
+    default: return 0;
+    }
+    if ((is_signed && unsigned_only) || n < 1 + width)
+        return 0;
+    uint64_t v = 0;
+    for (size_t k = 0; k < width; k++)
+        v = v << 8 | p[1 + k];
+    if (is_signed && width < 8 && (v >> (8 * width - 1)))
+        v |= ~(uint64_t)0 << (8 * width); /* sign-extend */
+    *value = v;
+    return 1 + width;
+}
+
+/* Whether p[0..n) is exactly the msgpack of a call envelope [1, seq, method, int, int, int]
+ * with an ASCII method name; its seq in *seq. Anything else (or an unusual encoding of one)
+ * goes to the Python path, which judges it with zbus.protocol.read_envelope. */
+static int call_envelope_seq(const unsigned char *p, size_t n, uint64_t *seq) {
+    if (n < 2 || p[0] != 0x96 || p[1] != 0x01)
+        return 0;
+    size_t at = 2, used, len;
+    uint64_t ignored;
+    if ((used = mp_int(p + at, n - at, 1, seq)) == 0)
+        return 0;
+    at += used;
+    if (at >= n)
+        return 0;
+    unsigned char b = p[at];
+    if (b >= 0xa0 && b <= 0xbf) {
+        len = b & 0x1f;
+        at += 1;
+    } else if (b == 0xd9 && at + 2 <= n) {
+        len = p[at + 1];
+        at += 2;
+    } else if (b == 0xda && at + 3 <= n) {
+        len = (size_t)p[at + 1] << 8 | p[at + 2];
+        at += 3;
+    } else {
+        return 0;
+    }
+    if (len > n - at)
+        return 0;
+    for (size_t k = 0; k < len; k++)
+        if (p[at + k] & 0x80)
+            return 0;
+    at += len;
+    for (int k = 0; k < 3; k++) {
+        if ((used = mp_int(p + at, n - at, 0, &ignored)) == 0)
+            return 0;
+        at += used;
+    }
+    return at == n;
+}
+
+PyDoc_STRVAR(wait_readable_doc,
+             "wait_readable(socket, seconds)\n--\n\n"
+             "Call sched_yield, without the GIL, until the ZeroMQ socket at address ``socket``\n"
+             "has a message or ``seconds`` have passed: whether it has one.");
+
+static PyObject *core_wait_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "wait_readable(socket, seconds)");
+        return NULL;
+    }
+    void *sock = PyLong_AsVoidPtr(args[0]);
+    double seconds = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (bind_libzmq() != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+        return NULL;
+    }
+    int events = 0, rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double end = now_s() + seconds;
+    do {
+        size_t size = sizeof events;
+        rc = z_getsockopt(sock, 15 /* ZMQ_EVENTS */, &events, &size);
+        if (rc < 0 || events & 1 /* ZMQ_POLLIN */)
+            break;
+        sched_yield();
+    } while (now_s() < end);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        errno = z_errno();
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(events & 1);
+}
+
+static void close_parts(zmsg_t *parts, Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++)
+        z_msg_close(&parts[k]);
+}
+
+PyDoc_STRVAR(relay_one_doc,
+             "relay_one(socket, mapping, at, limit, topic, seq)\n--\n\n"
+             "Receive one message from the ZeroMQ socket at address ``socket`` without waiting\n"
+             "and without the GIL. A call on ``topic`` whose envelope numbers it ``seq`` and whose\n"
+             "other frames lay out in ``limit`` bytes is written at byte ``at`` of ``mapping``,\n"
+             "as write_message writes them (not published): returns its size. Any other message:\n"
+             "its parts as a list of bytes. Nothing to receive: None.");
+
+static PyObject *core_relay_one(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyBytes_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "relay_one(socket, mapping, at, limit, topic: bytes, seq)");
+        return NULL;
+    }
+    void *sock = PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t at = PyLong_AsSsize_t(args[2]), limit = PyLong_AsSsize_t(args[3]);
+    unsigned long long want = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (bind_libzmq() != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_mapping(args[1], &view, 1) < 0)
+        return NULL;
+    const char *topic = PyBytes_AS_STRING(args[4]);
+    size_t topic_len = (size_t)PyBytes_GET_SIZE(args[4]);
+    zmsg_t parts[MAX_PARTS + 1];
+    Py_ssize_t n = 0, total = -1;
+    int more = 0, err = 0, range_ok = 0;
+    Py_BEGIN_ALLOW_THREADS
+    z_msg_init(&parts[0]);
+    if (z_msg_recv(&parts[0], sock, ZMQ_DONTWAIT_FLAG) < 0) {
+        err = z_errno();
+        z_msg_close(&parts[0]);
+    } else {
+        n = 1;
+        more = z_msg_more(&parts[0]);
+        while (more && n < MAX_PARTS + 1) { /* the parts of a message arrive together */
+            z_msg_init(&parts[n]);
+            if (z_msg_recv(&parts[n], sock, ZMQ_DONTWAIT_FLAG) < 0) {
+                err = z_errno();
+                z_msg_close(&parts[n]);
+                break;
+            }
+            more = z_msg_more(&parts[n++]);
+        }
+        uint64_t seq;
+        if (!err && !more && n >= 2 && z_msg_size(&parts[0]) == topic_len
+            && memcmp(z_msg_data(&parts[0]), topic, topic_len) == 0
+            && call_envelope_seq(z_msg_data(&parts[1]), z_msg_size(&parts[1]), &seq) && seq == want) {
+            Py_ssize_t nframes = n - 1, offsets[MAX_PARTS];
+            Py_ssize_t size = 16 + 8 * nframes;
+            for (Py_ssize_t f = 0; f < nframes; f++) {
+                offsets[f] = aligned(size);
+                size = offsets[f] + (Py_ssize_t)z_msg_size(&parts[f + 1]);
+            }
+            range_ok = at >= 0 && at % 8 == 0 && size <= limit && at <= view.len - size;
+            if (range_ok) {
+                char *base = (char *)view.buf + at;
+                uint64_t head[2] = {(uint64_t)size, (uint64_t)nframes};
+                memcpy(base, head, 16);
+                Py_ssize_t end = 16 + 8 * nframes;
+                for (Py_ssize_t f = 0; f < nframes; f++) {
+                    uint64_t len = (uint64_t)z_msg_size(&parts[f + 1]);
+                    memcpy(base + 16 + 8 * f, &len, 8);
+                    memset(base + end, 0, (size_t)(offsets[f] - end));
+                    memcpy(base + offsets[f], z_msg_data(&parts[f + 1]), (size_t)len);
+                    end = offsets[f] + (Py_ssize_t)len;
+                }
+                total = size;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (n == 0) {
+        if (err == EAGAIN)
+            Py_RETURN_NONE;
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *result = NULL;
+    if (total >= 0) {
+        result = PyLong_FromSsize_t(total);
+    } else if (err) { /* a message cut short: never happens to a multipart message in ZeroMQ */
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = PyList_New(n);
+        for (Py_ssize_t k = 0; result != NULL && k < n; k++) {
+            PyObject *b = PyBytes_FromStringAndSize(z_msg_data(&parts[k]), (Py_ssize_t)z_msg_size(&parts[k]));
+            if (b == NULL)
+                Py_CLEAR(result);
+            else
+                PyList_SET_ITEM(result, k, b);
+        }
+        while (result != NULL && more) { /* more parts than fit on the stack */
+            zmsg_t extra;
+            z_msg_init(&extra);
+            if (z_msg_recv(&extra, sock, ZMQ_DONTWAIT_FLAG) < 0) {
+                errno = z_errno();
+                z_msg_close(&extra);
+                Py_CLEAR(result);
+                PyErr_SetFromErrno(PyExc_OSError);
+                break;
+            }
+            more = z_msg_more(&extra);
+            PyObject *b = PyBytes_FromStringAndSize(z_msg_data(&extra), (Py_ssize_t)z_msg_size(&extra));
+            z_msg_close(&extra);
+            if (b == NULL || PyList_Append(result, b) < 0)
+                Py_CLEAR(result);
+            Py_XDECREF(b);
+        }
+    }
+    close_parts(parts, n);
+    return result;
+}
+
 static PyMethodDef core_methods[] = {
     {"fence", core_fence, METH_NOARGS, fence_doc},
     {"store", (PyCFunction)(void (*)(void))core_store, METH_FASTCALL, store_doc},
     {"write_message", (PyCFunction)(void (*)(void))core_write_message, METH_FASTCALL, write_message_doc},
     {"read_message", (PyCFunction)(void (*)(void))core_read_message, METH_FASTCALL, read_message_doc},
     {"poll", (PyCFunction)(void (*)(void))core_poll, METH_FASTCALL, poll_doc},
+    {"relay_ready", core_relay_ready, METH_NOARGS, relay_ready_doc},
+    {"relay_one", (PyCFunction)(void (*)(void))core_relay_one, METH_FASTCALL, relay_one_doc},
+    {"wait_readable", (PyCFunction)(void (*)(void))core_wait_readable, METH_FASTCALL, wait_readable_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -50,6 +50,7 @@ BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BY
 BACKLOG_BYTES = 256 * 2**20  # while the ring is full
 FULL_SLICE_S = 0.1  # a relay on a full ring reads ahead and heartbeats this often
 READ_AHEAD_S = 0.02  # how long one read-ahead may wait for more from the leader
+RELAYED = object()  # _next's answer for a call the compiled core put in the ring
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
 # env= from an unauthenticated leader: only tuning knobs pass (an allow-list), and
 # none whose name suggests a path, plugin, file, proxy or download source.
@@ -158,6 +159,8 @@ class NodeAgent:
         self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self._poll_s = 0.0  # the executor's poll_after_call_s (from the welcome)
         self._poll_until = 0.0
+        core = ring._core  # the compiled relay, if the core is built and finds libzmq
+        self._relay_one = core.relay_one if core is not None and core.relay_ready() else None
         self.liveness_s = self.settings.liveness_s
 
     def _keys(self, curve_dir: str | None, secret: bytes | None) -> NodeCurve | None:
@@ -329,10 +332,14 @@ class NodeAgent:
                 os.read(self._death_r, 64)
                 self._report_deaths()
             if self.sub in events or self._backlog:
-                while self._backlog or self.sub.poll(0, zmq.POLLIN):
+                while True:
                     self._tick()  # a sustained stream must not starve the heartbeats
-                    frames = self._take()
-                    topic = frames[0].bytes
+                    frames = self._next()
+                    if frames is None:
+                        break
+                    if frames is RELAYED:
+                        continue
+                    topic = bytes(frames[0])
                     if topic.removesuffix(protocol.PARTS) in call_topics:  # (node topic: sent again)
                         self._relay(self._call_frames(topic, frames[1:]))
                     elif topic in PROBE_TOPICS:
@@ -361,8 +368,9 @@ class NodeAgent:
         """Wait for the leader (or a worker's death) until ``wake``. Within the
         executor's ``poll_after_call_s`` of the last call, poll instead of sleeping,
         yielding the core: the next call then needs no wake-up of this thread."""
-        while time.monotonic() < min(self._poll_until, wake):
-            if self.sub.poll(0, zmq.POLLIN):
+        while (left := min(self._poll_until, wake) - time.monotonic()) > 0:
+            if ring._core.wait_readable(self.sub.underlying, left) if self._relay_one is not None \
+                    else self.sub.poll(0, zmq.POLLIN):  # (compiled: yields without the GIL)
                 return {self.sub: zmq.POLLIN}
             os.sched_yield()
         return dict(poller.poll(int(max(0.0, wake - time.monotonic()) * 1000) + 1))
@@ -376,9 +384,30 @@ class NodeAgent:
                 self._probes_seen = None
 
     def _read(self) -> list:
-        frames = self.sub.recv_multipart(copy=False)
+        frames = [f.buffer for f in self.sub.recv_multipart(copy=False)]
         self._last_leader = time.monotonic()
         return frames
+
+    def _next(self) -> list | object | None:
+        """The next message to handle (its frames); None when none is there. A call
+        in number order that fits a free chunk goes from the socket straight into the
+        ring, in the compiled core without the GIL: RELAYED."""
+        if self._backlog:
+            return self._take()
+        at = self.ring.free_chunk() if self._relay_one is not None and self._gap is None else None
+        if at is None:
+            return self._read() if self.sub.poll(0, zmq.POLLIN) else None
+        got = self._relay_one(self.sub.underlying, self.ring.mapping, at, self.ring.chunk_bytes,
+                              TOPIC_RPC, self._last_seq + 1)
+        if got is None:
+            return None
+        self._last_leader = time.monotonic()
+        if type(got) is list:
+            return got
+        self.ring.publish_written()
+        self._last_seq += 1
+        self._poll_until = self._last_leader + self._poll_s
+        return RELAYED
 
     def _check_sent(self, sent: Any) -> None:
         """A heartbeat names the last call the leader sent, and comes after it:
@@ -429,9 +458,9 @@ class NodeAgent:
     @staticmethod
     def _call_frames(topic: bytes, frames: list) -> list:
         if not topic.endswith(protocol.PARTS):
-            return [f.buffer for f in frames]
+            return frames
         try:
-            return protocol.from_parts(frames[0].buffer, [f.buffer for f in frames[1:]])
+            return protocol.from_parts(frames[0], frames[1:])
         except CodecError as e:  # only the leader can send here (it is keyed): a defect
             raise ZbusError(f"a malformed call from the leader: {e}") from None
 
@@ -517,11 +546,11 @@ class NodeAgent:
 
     def _recv(self) -> tuple[bytes, Any]:
         frames = self.sub.recv_multipart(copy=False)
-        return frames[0].bytes, self._decode(frames[1:])
+        return frames[0].bytes, self._decode([f.buffer for f in frames[1:]])
 
     def _decode(self, frames: list) -> Any:
         try:
-            return codec.decode([f.buffer for f in frames])
+            return codec.decode(frames)
         except CodecError as e:
             log.warning("dropped a malformed control message: %s", e)
             return None

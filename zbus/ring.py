@@ -339,6 +339,24 @@ class RingWriter(_Ring):
             self._publish()
         self._pending = None
 
+    def free_chunk(self) -> int | None:
+        """The byte offset in :attr:`mapping` where the next message may be written
+        straight, in at most ``chunk_bytes`` (the relay writes a call there from its
+        socket), when a chunk is free and no message is pending; publish it with
+        :meth:`publish_written`. None otherwise: use :meth:`send`."""
+        if self._pending is None and not self._ended() and (
+                self._seq - self._min_read < self.n_chunks or self._has_space()):
+            return self._chunk(self._seq)
+        return None
+
+    @property
+    def mapping(self) -> memoryview:
+        return self._buf
+
+    def publish_written(self) -> None:
+        """Publish the message written at :meth:`free_chunk`."""
+        self._publish()
+
     def _publish(self) -> None:
         self._seq += 1
         _store(self._q, _W_WSEQ, self._seq)
