@@ -727,6 +727,46 @@ def test_heartbeats_reach_the_other_nodes_while_one_node_stalls_the_calls():
         ctx.term()
 
 
+def test_status_requests_from_a_peer_that_reads_no_answer_do_not_hold_up_heartbeats():
+    """A peer subscribes to every status answer (``S``), reads none, and floods the
+    leader's port with status requests: each answer that finds no room is dropped
+    at once, and the I/O thread goes on heartbeating the nodes. Sabotage: answer
+    with ``wait=True`` in ``Membership._answer_status`` (1 s for each answer that
+    finds the peer full): no heartbeat for minutes."""
+    lead, port = bare_leader(nnodes=2)
+    lead.membership._status = lambda: {"pad": "x" * 16384}  # answers that fill the peer soon
+    ctx = zmq.Context()
+    hog, healthy, push = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    try:
+        hog.setsockopt(zmq.RCVHWM, 1)
+        hog.setsockopt(zmq.SUBSCRIBE, b"S")
+        healthy.setsockopt(zmq.SUBSCRIBE, TOPIC_HEARTBEAT)
+        for sub in (hog, healthy):
+            sub.connect(f"tcp://127.0.0.1:{port}")
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        lead.membership.formed = True
+        lead.start()
+
+        def heartbeats_heard(seconds: float) -> int:
+            end, n = time.monotonic() + seconds, 0
+            while time.monotonic() < end:
+                if healthy.poll(50, zmq.POLLIN):
+                    n += codec.decode(healthy.recv_multipart()[1:])[0] == "hb"
+            return n
+
+        wait_until(lambda: heartbeats_heard(0.3) > 0, 20, "a first heartbeat")
+        for i in range(3000):
+            push.send_multipart(codec.encode(["status", f"t{i}"]))
+        heard = heartbeats_heard(3.0)
+        print(f"heartbeats heard in 3 s while 3000 status answers went to a peer that reads none: {heard}")
+        assert heard >= 8  # one per 0.2 s
+    finally:
+        lead.close()
+        for sock in (hog, healthy, push):
+            sock.close(linger=0)
+        ctx.term()
+
+
 def test_a_sustained_burst_of_small_calls_keeps_the_slowest_node_alive():
     """Non-blocking calls non-stop for 3 x the 2 s liveness limit; node 1's worker is
     the slowest consumer (5 ms a call), and its agent never sleeps on the full ring

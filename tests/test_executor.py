@@ -216,6 +216,30 @@ def test_future_result_timeout_leaves_call_pending(ex):
     assert fut.result(timeout=10) == [0, 1]
 
 
+def test_a_non_blocking_call_fails_by_itself_at_its_timeout(ex):
+    """A worker that does not answer in time (alive, busy): the future of a call
+    sent with ``timeout`` fails with TimeoutError at that timeout, with nobody
+    calling ``result()`` (an engine waits on ``wait`` or callbacks, or calls
+    ``result()`` without a timeout, as vLLM's does); ``result()`` without a timeout
+    raises it too, at the call's deadline. The late replies are dropped and the next
+    call gets its own. Sabotage: no ``_expire_due()`` in the completer → ``wait``
+    ends with the future not done; ``_complete`` ignoring the call's deadline →
+    the second ``result()`` waits the 1.5 s sleep out and returns."""
+    t0 = time.monotonic()
+    slow = ex.collective_rpc("sleep", args=(1.5,), non_block=True, timeout=0.3)
+    done, _ = concurrent.futures.wait([slow], timeout=5)
+    waited = time.monotonic() - t0
+    assert slow in done and isinstance(slow.exception(), TimeoutError), slow
+    assert 0.3 <= waited < 1.2, waited
+    assert ex.collective_rpc("rank_value", args=(7,), timeout=10) == [70, 71]
+    t0 = time.monotonic()
+    slow = ex.collective_rpc("sleep", args=(1.5,), non_block=True, timeout=0.3)
+    with pytest.raises(TimeoutError):
+        slow.result()
+    assert time.monotonic() - t0 < 1.2
+    assert ex.collective_rpc("rank_value", args=(8,), timeout=10) == [80, 81]
+
+
 def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
     """Rank 1 is SIGKILLed once it is inside a 30 s call: the pending calls fail
     with ``WorkerDiedError`` within 1 s, later ones at once, and the failure
@@ -370,6 +394,39 @@ def test_shutdown_is_idempotent_and_frees_everything():
     assert zbus_segments() - before == set()  # (other processes may remove theirs meanwhile)
     with pytest.raises(zbus.ZbusError, match="shut down"):
         ex.collective_rpc("noop")
+
+
+def test_shutdown_is_bounded_when_a_worker_outlives_sigkill(monkeypatch):
+    """A worker deaf to SIGTERM that SIGKILL does not end either (a process in
+    uninterruptible sleep in a hung device driver; here its SIGKILL is not sent):
+    shutdown still returns, after the grace, SIGTERM and KILL_WAIT_S, and says so.
+    Sabotage: ``p.wait()`` without a timeout in ``LocalWorkers.kill`` → shutdown
+    never returns."""
+    import subprocess
+    import threading
+
+    from zbus import processes
+
+    ex = zbus.Executor(EchoWorker, nproc_per_node=1)
+    pid = ex._workers.procs[0].pid
+    try:
+        ex.collective_rpc("stubborn_sleep", args=(60,), non_block=True)
+        time.sleep(0.5)  # inside the call, SIGTERM ignored
+        monkeypatch.setattr(processes, "KILL_WAIT_S", 0.5)
+        monkeypatch.setattr(subprocess.Popen, "kill", lambda self: None)
+        t0 = time.monotonic()
+        closing = threading.Thread(target=ex.shutdown, daemon=True)
+        closing.start()
+        closing.join(30)
+        took = time.monotonic() - t0
+        print(f"shutdown returned after {took:.1f} s with the worker still there")
+        assert not closing.is_alive(), "shutdown did not return"
+        assert psutil.pid_exists(pid)
+    finally:
+        monkeypatch.undo()
+        os.kill(pid, signal.SIGKILL)
+        ex._workers.procs[0].wait(10)
+        ex.shutdown()
 
 
 def test_shutdown_from_another_thread_gives_blocked_callers_a_zbus_error():

@@ -621,3 +621,63 @@ def test_part_counts_that_do_not_fit_their_parts_are_refused():
     counts, cut = protocol.in_parts([b"e" * (2 * protocol.PART_BYTES), b"x" * (protocol.PART_BYTES + 1)])
     assert msgpack.unpackb(counts) == [1, 2] and [len(p) for p in cut] == [
         2 * protocol.PART_BYTES, protocol.PART_BYTES, 1]
+
+
+def test_a_malformed_error_reply_fails_its_call_not_the_executor():
+    """A peer on the leader's open reply port sends, for a pending call, an error
+    reply whose value is not an error (``[rank, seq, RAISED, None]``): that call
+    fails with a ZbusError that says so, and the executor serves on. Sabotage:
+    read ``value.type_name`` of any error reply in ``Call.finish`` (as before):
+    AttributeError in the thread completing the call, the executor fails with
+    "completing calls failed"."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    ctx = zmq.Context()
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, join_timeout=60) as ex:
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(f"tcp://127.0.0.1:{port + 1}")
+            slow = ex.collective_rpc("later", args=("x", 1.0), non_block=True)
+            push.send_multipart(codec.encode([1, slow.seq, protocol.RAISED, None]))  # before rank 1's own
+            error = slow.exception(timeout=30)
+            assert isinstance(error, zbus.ZbusError) and "malformed reply" in str(error), repr(error)
+            assert "rank 1" in str(error)
+            ex.check_health()
+            assert ex.collective_rpc("rank_value", args=(3,), timeout=30) == [30, 31]
+            push.close()
+        assert proc.wait(30) == 0
+    finally:
+        ctx.destroy(linger=0)
+        end_process(proc)
+
+
+def test_a_follower_ignores_answers_to_its_join_of_the_wrong_shape():
+    """A leader (or one posing as it, without keys) answers a join on the node's
+    topic with messages of the wrong shape: the follower ignores them, waits on,
+    and takes the proper answer after them (here a refusal). Sabotage: index
+    ``msg[0]``, ``msg[1]`` in ``NodeAgent._join`` without the shape check: the
+    follower dies of an IndexError or KeyError."""
+    from zbus.cluster import node_topic
+
+    port = free_port_pair()
+    ctx = zmq.Context()
+    xpub, pull = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
+    xpub.bind(f"tcp://127.0.0.1:{port}")
+    pull.bind(f"tcp://127.0.0.1:{port + 1}")
+    proc = follower(port, "--node-rank", "1")
+    try:
+        assert pull.poll(30_000), "no join"
+        join = codec.decode(pull.recv_multipart())
+        topic = node_topic(join[1])
+        wait_until(lambda: xpub.poll(100) and xpub.recv() == b"\x01" + topic, 30, "the node topic subscribed")
+        for bad in (["welcome"], {"welcome": 1}, [], ["reject"], "welcome", [5, 6], ["welcome", [1]]):
+            xpub.send_multipart([topic, *codec.encode(bad)])
+        xpub.send_multipart([topic, *codec.encode(["reject", "the test is over"])])
+        assert proc.wait(30) == 1
+        err = proc.stderr.read()
+        assert "the test is over" in err and "IndexError" not in err and "KeyError" not in err, err[-2000:]
+    finally:
+        ctx.destroy(linger=0)
+        end_process(proc)

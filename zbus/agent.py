@@ -248,11 +248,11 @@ class NodeAgent:
             if not self.sub.poll(200, zmq.POLLIN):
                 continue
             topic, msg = self._recv()
-            if topic == node_topic(self.node_id) and msg:
-                if msg[0] == "welcome" and isinstance(msg[1], dict):
+            if topic == node_topic(self.node_id) and type(msg) is list and len(msg) == 2:
+                if msg[0] == "welcome" and type(msg[1]) is dict:
                     return msg[1]
                 if msg[0] == "reject":
-                    raise ZbusError(f"the leader refused this node: {msg[1]}")
+                    raise ZbusError(f"the leader refused this node: {brief(msg[1])}")
         raise ZbusError(f"no leader answered at {self.settings.master_addr}:{self.settings.master_port} "
                         f"within {self.join_timeout} s")
 

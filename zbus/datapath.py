@@ -327,10 +327,17 @@ class DataPath:
         self.calls_again += len(calls)
         return True
 
-    def send_control(self, topic: bytes, obj: Any, timeout: float = 5.0) -> bool:
+    def send_control(self, topic: bytes, obj: Any, timeout: float = 5.0, wait: bool = True) -> bool:
         """Send a control message to the nodes; False if the XPUB socket stayed busy
-        (an RPC blocked on a full node) or full for ``timeout``."""
-        return send_message(self.bcast.xpub, obj, timeout, "control send", topic, self.xpub_lock)
+        or a subscriber full for ``timeout`` (``wait=False``: full now)."""
+        if wait:
+            return send_message(self.bcast.xpub, obj, timeout, "control send", topic, self.xpub_lock)
+        if not self.xpub_lock.acquire(timeout=timeout):
+            return False
+        try:
+            return sent_now(self.bcast.xpub, [topic, *codec.encode(obj)], "control send")
+        finally:
+            self.xpub_lock.release()
 
     def send_beat(self, obj: Any, node_ids: list[str], timeout: float) -> bool:
         """Send a heartbeat (or ``failed``) to the nodes without waiting on any: one

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .cluster import TOPIC_RPC, ClusterSettings, port_range, resolve_ip, route_to
+from .cluster import TOPIC_RPC, ClusterSettings, brief, port_range, resolve_ip, route_to
 from .config import MAX_POLL_S
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
@@ -52,12 +52,14 @@ class StartupError(ExecutorFailedError):
 class Call:
     """One sent call: the replies it waits for, then its outcome, set once by the
     replies or by a failure (whichever comes first), and counted then. A blocking
-    call needs nothing more; a non-blocking one also completes its ``future``."""
+    call needs nothing more; a non-blocking one also completes its ``future``,
+    which fails with TimeoutError at the call's ``deadline`` if it has one."""
 
-    __slots__ = ("executor", "seq", "reply_ranks", "unique", "replies", "started", "outcome", "future")
+    __slots__ = ("executor", "seq", "reply_ranks", "unique", "replies", "started", "outcome", "future",
+                 "deadline")
 
     def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool,
-                 future: RpcFuture | None = None):
+                 future: RpcFuture | None = None, deadline: float | None = None):
         self.executor = executor
         self.seq = seq
         self.reply_ranks = list(reply_ranks)
@@ -66,6 +68,7 @@ class Call:
         self.started = time.perf_counter()
         self.outcome: tuple[bool, Any] | None = None  # (ok, the value or the error)
         self.future = future
+        self.deadline = deadline
         if future is not None:
             future._call, future.seq, future.reply_ranks = self, seq, self.reply_ranks
 
@@ -81,8 +84,11 @@ class Call:
                 values.append(value)
             elif status == protocol.REFUSED:
                 return self.settle(False, ZbusError(f"rank {rank}: {getattr(value, 'message', value)}"))
-            else:
+            elif status == protocol.RAISED and type(value) is codec.ExceptionInfo:
                 return self.settle(False, RemoteError(rank, value.type_name, value.message, value.traceback))
+            else:  # only a peer that is not a zbus worker sends this (the leader's port is open)
+                return self.settle(False, ZbusError(f"rank {rank}: a malformed reply (status "
+                                                    f"{brief(status)}, a {type(value).__name__})"))
         self.settle(True, values[0] if self.unique else values)
 
     def settle(self, ok: bool, value: Any) -> None:
@@ -105,6 +111,18 @@ class Call:
             # it holds go when their last holder drops them, not at the next collection.
             future._call = None
 
+    def expire(self) -> None:
+        """Past its deadline without its replies: the future fails with TimeoutError.
+        The call stays pending, as a blocking call that timed out: its replies, if
+        they come, are taken and dropped, and later calls complete after it."""
+        future = self.future
+        if future is not None and not future.done():
+            try:
+                future.set_exception(TimeoutError(f"collective_rpc call {self.seq} timed out waiting "
+                                                  f"for the replies of ranks {self.reply_ranks}"))
+            except concurrent.futures.InvalidStateError:  # settled or cancelled meanwhile
+                pass
+
     def value(self) -> Any:
         """The result of a settled call, or its error raised."""
         ok, value = self.outcome
@@ -118,7 +136,8 @@ class RpcFuture(concurrent.futures.Future):
     ``done()``, ``add_done_callback``, :func:`concurrent.futures.wait` and
     :func:`asyncio.wrap_future` work without anyone calling ``result()``. Calls
     complete in issue order. ``result(timeout)`` raises :class:`TimeoutError` and
-    leaves the call pending."""
+    leaves the call pending. A call sent with a ``timeout`` fails with
+    TimeoutError once it passes without all replies."""
 
     _call: Call | None  # until the call settles
     seq: int  # the call's number
@@ -135,8 +154,16 @@ class RpcFuture(concurrent.futures.Future):
     def _complete(self, timeout: float | None) -> None:
         # Once the call is settled, its settler sets this future at once.
         call = self._call
-        if call is not None and not call.done():
-            call.executor._complete_until(call, deadline_of(timeout))
+        if call is None or call.done():
+            return
+        mine = deadline_of(timeout)
+        if call.deadline is None or (mine is not None and mine < call.deadline):
+            call.executor._complete_until(call, mine)
+            return
+        try:
+            call.executor._complete_until(call, call.deadline)
+        except TimeoutError:
+            call.expire()
 
 
 def method_name(method: str | Callable) -> str:
@@ -441,7 +468,7 @@ class Completer:
                 while self._undone > 0 and not self._stopped and ex._pending and not self._callers:
                     ex._complete_head(time.monotonic() + self.SLICE_S)
             except TimeoutError:
-                pass
+                ex._expire_due()
             except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
                 if not isinstance(e, ExecutorFailedError):
                     e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
@@ -632,7 +659,8 @@ class MultiprocExecutor(Executor):
             frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,
                                              len(payload), self._answered), *payload]
             # the future exists before the call is sent: whoever reads the replies completes it
-            call = Call(self, self._seq, ranks, unique, RpcFuture() if non_block else None)
+            call = Call(self, self._seq, ranks, unique, RpcFuture() if non_block else None,
+                        deadline if non_block else None)
             self._pending.append(call)
             self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
             try:
@@ -690,10 +718,20 @@ class MultiprocExecutor(Executor):
         try:
             while not call.done() and self._pending:
                 self._complete_head(deadline)
+        except TimeoutError:
+            self._expire_due()
+            raise
         finally:
             self._recv_lock.release()
         if not call.done():  # no longer pending, never settled: only a shutdown does that
             raise self.failure.error or ZbusError("executor is shut down")
+
+    def _expire_due(self) -> None:
+        """Fail the futures of non-blocking calls whose deadline has passed."""
+        now = time.monotonic()
+        for pending in list(self._pending):
+            if pending.deadline is not None and pending.deadline <= now:
+                pending.expire()
 
     def _complete_head(self, deadline: float | None) -> None:
         head = self._pending[0]

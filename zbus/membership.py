@@ -385,7 +385,9 @@ class Membership:
         if type(token) is not str or not 0 < len(token) <= 64 or self._status is None:
             self.metrics.dropped(reason="bad-status")
             return
-        self.path.send_control(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0)
+        # never waits for room: a requester that does not read would hold this thread up
+        self.path.send_control(STATUS_TOPIC + token.encode(), ["status", self._status()], timeout=1.0,
+                               wait=False)
 
     def announce_stop(self) -> None:
         """Tell the agents that their workers are about to be stopped, so they do

@@ -6,6 +6,7 @@ not import the driver."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -14,6 +15,9 @@ import sys
 import threading
 import time
 from typing import Callable
+
+log = logging.getLogger(__name__)
+KILL_WAIT_S = 10.0  # how long a SIGKILLed worker is waited for before it is left behind
 
 
 def _visible_gpus() -> list[str]:
@@ -143,7 +147,11 @@ class LocalWorkers:
             if p.poll() is None:
                 p.kill()
         for p in self.procs:
-            p.wait()
+            try:  # a process in uninterruptible sleep (a hung device driver) outlives SIGKILL
+                p.wait(KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.error("worker pid %d did not end %.0f s after SIGKILL: left to the system",
+                          p.pid, KILL_WAIT_S)
 
     def close(self) -> None:
         if self._death_w >= 0:

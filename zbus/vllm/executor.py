@@ -78,10 +78,10 @@ class ZbusExecutor(VllmExecutor):
         return _mapped(out, aggregate) if non_block else aggregate(out)
 
     def _output_rpc(self, method: str, arg: Any, non_block: bool = False) -> Any:
-        import vllm.envs as envs
-
+        # non-blocking too: the future fails at the timeout (vLLM's engine waits on it
+        # without one, as on its own executor's futures, which time out by themselves)
         return self.collective_rpc(method, args=(arg,), unique_reply_rank=self.output_rank,
-                                   non_block=non_block, timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
+                                   non_block=non_block, timeout=_step_timeout(),
                                    kv_output_aggregator=self.kv_output_aggregator,
                                    ec_output_aggregator=self.ec_output_aggregator)
 
@@ -92,10 +92,12 @@ class ZbusExecutor(VllmExecutor):
         return self._output_rpc("sample_tokens", grammar_output, non_block)
 
     def execute_dummy_batch(self) -> None:
-        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank)
+        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank,
+                            timeout=_step_timeout())
 
     def take_draft_token_ids(self) -> Any:
-        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=self.output_rank)
+        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=self.output_rank,
+                                   timeout=_step_timeout())
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -136,6 +138,13 @@ class ZbusExecutor(VllmExecutor):
     @classmethod
     def supports_async_scheduling(cls) -> bool:
         return True  # zbus futures complete by themselves
+
+
+def _step_timeout() -> float:
+    """How long one model step may take, as vLLM's own executor waits."""
+    import vllm.envs as envs
+
+    return envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
 
 
 def _mapped(future: concurrent.futures.Future, func: Callable[[Any], Any]) -> concurrent.futures.Future:
