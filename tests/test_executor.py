@@ -240,6 +240,26 @@ def test_a_non_blocking_call_fails_by_itself_at_its_timeout(ex):
     assert ex.collective_rpc("rank_value", args=(8,), timeout=10) == [80, 81]
 
 
+def test_a_worker_that_exits_fails_the_executor_with_its_death():
+    """Rank 0's worker (whose replies are read first) leaves by ``SystemExit`` (an
+    exit in a method, SIGTERM): it closes its reply queue on its way out, 0.5 s
+    before its process ends. The executor fails
+    with that death (rank, exit code), not with the closed queue taken for a
+    shutdown. Sabotage: raise ``ZbusError("executor is shut down")`` on the closed
+    queue in ``_complete_head`` (as before): the failure is "completing calls
+    failed: ... executor is shut down"."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    try:
+        pending = ex.collective_rpc("die", kwargs={"rank": 0, "how": "exit"}, non_block=True)
+        assert concurrent.futures.wait([pending], timeout=20).done
+        error = pending.exception()
+        assert isinstance(error, zbus.WorkerDiedError), repr(error)
+        assert error.rank == 0 and error.exitcode == 7
+        assert ex.failure.error is error
+    finally:
+        ex.shutdown()
+
+
 def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
     """Rank 1 is SIGKILLed once it is inside a 30 s call: the pending calls fail
     with ``WorkerDiedError`` within 1 s, later ones at once, and the failure

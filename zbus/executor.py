@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("mp", "inproc")
 STARTUP_REPORT_GRACE_S = 1.0  # how long a failed start-up waits for the worker's own report
+EXIT_REPORT_S = 2.0  # how long a worker that closed its replies has to exit (and be reported)
 WorkerSpec = "type[Worker] | str"
 
 
@@ -741,7 +742,7 @@ class MultiprocExecutor(Executor):
             try:
                 reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"), want=head.seq)
             except RingClosed:
-                raise self.failure.error or ZbusError("executor is shut down") from None
+                raise self._replies_ended(rank) from None
             except CodecError as e:  # consumed but not decodable here: the caller gets why
                 reply = [rank, head.seq, protocol.RAISED,
                          codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]
@@ -749,6 +750,16 @@ class MultiprocExecutor(Executor):
         self._pending.popleft()
         self._answered = head.seq
         head.finish()  # (unless failed meanwhile by the monitor)
+
+    def _replies_ended(self, rank: int) -> Exception:
+        """Why the replies of ``rank`` ended: the failure, or a shutdown. Else its worker
+        closed its queue on its way out (an exit, SIGTERM) and the monitor's report of
+        the exit follows: wait for it, so that the death is the one failure."""
+        if self.failure.error is None and not self._closed:
+            self.failure.cancel.wait(EXIT_REPORT_S)
+            self.failure.fail(ExecutorFailedError(f"worker rank {rank} closed its replies and has "
+                                                  f"not exited {EXIT_REPORT_S} s later"))
+        return self.failure.error or ZbusError("executor is shut down")
 
     def _accept(self, head: Call, rank: int, reply: Any) -> None:
         if not (type(reply) is list and len(reply) == 4 and reply[0] == rank and reply[1] == head.seq):
