@@ -260,6 +260,30 @@ def test_a_worker_that_exits_fails_the_executor_with_its_death():
         ex.shutdown()
 
 
+def test_a_done_callback_that_waits_on_the_executor_gets_an_error_not_a_deadlock(ex):
+    """A done-callback runs in the thread that completes the future, here the
+    executor's completer, which holds the reply lock meanwhile. A callback that
+    makes a blocking call there gets a ZbusError that says what to do instead of
+    waiting for itself; a non-blocking one is fine. Sabotage: no ``held_here``
+    checks in ``collective_rpc`` and ``_complete_until``: the callback's call
+    waits for the lock its own thread holds, and times out."""
+    seen: list = []
+
+    def callback(_f):
+        try:
+            seen.append(ex.collective_rpc("rank_value", args=(2,), timeout=3))
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            seen.append(e)
+        seen.append(ex.collective_rpc("rank_value", args=(4,), non_block=True))
+
+    first = ex.collective_rpc("later", args=("a", 0.2), non_block=True)
+    first.add_done_callback(callback)
+    wait_until(lambda: len(seen) == 2, 20, "the callback ran")
+    assert isinstance(seen[0], zbus.ZbusError) and "done-callback" in str(seen[0]), repr(seen[0])
+    assert seen[1].result(timeout=10) == [40, 41]
+    assert ex.collective_rpc("rank_value", args=(3,), timeout=10) == [30, 31]
+
+
 def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
     """Rank 1 is SIGKILLed once it is inside a 30 s call: the pending calls fail
     with ``WorkerDiedError`` within 1 s, later ones at once, and the failure

@@ -392,6 +392,36 @@ def reserve_port(host: str) -> int:
     raise ZbusError(f"no free port on {host} in ZBUS_PORT_RANGE={lo_hi[0]}-{lo_hi[1]}")
 
 
+class OwnedLock:
+    """A lock that knows the thread holding it. Future callbacks run in the thread
+    that completes the future, which may hold the reply or send lock: a callback
+    that then waits on the executor would wait for itself (see CALLBACK_WAITS)."""
+
+    __slots__ = ("_lock", "_owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking, timeout):
+            self._owner = threading.get_ident()
+            return True
+        return False
+
+    def release(self) -> None:
+        self._owner = 0
+        self._lock.release()
+
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+
+CALLBACK_WAITS = ("a done-callback of a zbus future (run by the thread completing it) must not "
+                  "wait on the executor: make the call from another thread, or await the future "
+                  "with asyncio.wrap_future")
+
+
 class Completer:
     """Completes non-blocking calls in the background, so that their futures finish
     with nobody calling ``result()``. It reads replies only while such a call is
@@ -517,8 +547,8 @@ class MultiprocExecutor(Executor):
         self._seq = 0
         self._answered = 0  # every call up to this number has all its replies
         self._pending: collections.deque[Call] = collections.deque()
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
+        self._send_lock = OwnedLock()
+        self._recv_lock = OwnedLock()
         self._completer = Completer(self)
         self._bcast: Broadcaster | None = None
         self._leader: Leader | None = None
@@ -647,6 +677,8 @@ class MultiprocExecutor(Executor):
                        timeout: float | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None) -> Any:
         method = self._check_call(method, unique_reply_rank)
+        if self._send_lock.held_here() or (not non_block and self._recv_lock.held_here()):
+            raise ZbusError(CALLBACK_WAITS)
         deadline = deadline_of(timeout)
         unique = unique_reply_rank is not None
         ranks = [unique_reply_rank] if unique else range(self.world_size)
@@ -713,6 +745,8 @@ class MultiprocExecutor(Executor):
             self._recv_lock.release()
 
     def _complete_until(self, call: Call, deadline: float | None) -> None:
+        if self._recv_lock.held_here():
+            raise ZbusError(CALLBACK_WAITS)
         left = remaining(deadline, "collective_rpc")
         if not self._completer.acquire_for_caller(self._recv_lock, -1 if left is None else left):
             raise TimeoutError("collective_rpc timed out waiting for replies")
