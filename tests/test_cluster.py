@@ -6,6 +6,7 @@ error naming the node, never a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -799,6 +800,22 @@ def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
     worker end within a few seconds though the driver never calls ``shutdown``.
     Sabotage: keep heartbeating after a failure (``hb`` instead of ``failed`` in
     ``Membership._step``): node 2 holds its worker until the driver shuts down."""
+    with leader_and_two_followers() as (ex, procs, node2):
+        pending = ex.collective_rpc("die", kwargs={"rank": 1}, non_block=True)
+        with pytest.raises(zbus.WorkerDiedError):
+            pending.result(timeout=20)
+        t0 = time.monotonic()
+        gone, alive = psutil.wait_procs(node2, timeout=10)
+        elapsed = time.monotonic() - t0
+        print(f"node 2 ended {elapsed:.2f} s after the executor failed (no shutdown)")
+        assert not alive and elapsed < 3.0
+        assert procs[1].wait(1) == 0
+
+
+@contextlib.contextmanager
+def leader_and_two_followers():
+    """A leader and followers 1 and 2, one worker each: (executor, the follower
+    processes, node 2's agent and worker)."""
     port = free_port_pair()
     procs = [follower(port, "--node-rank", "1"), follower(port, "--node-rank", "2")]
     try:
@@ -806,15 +823,7 @@ def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
         try:
             node2 = [psutil.Process(procs[1].pid), *psutil.Process(procs[1].pid).children()]
             assert len(node2) == 2  # agent + worker
-            pending = ex.collective_rpc("die", kwargs={"rank": 1}, non_block=True)
-            with pytest.raises(zbus.WorkerDiedError):
-                pending.result(timeout=20)
-            t0 = time.monotonic()
-            gone, alive = psutil.wait_procs(node2, timeout=10)
-            elapsed = time.monotonic() - t0
-            print(f"node 2 ended {elapsed:.2f} s after the executor failed (no shutdown)")
-            assert not alive and elapsed < 3.0
-            assert procs[1].wait(1) == 0
+            yield ex, procs, node2
         finally:
             ex.shutdown()
     finally:
@@ -828,24 +837,13 @@ def test_a_node_takes_the_heartbeat_on_its_own_topic_as_on_the_broadcast_one():
     leader says ``failed`` on node 2's topic alone: node 2 ends its worker and exits
     0 at once, node 1 goes on. Sabotage: handle heartbeats only on ``H`` in
     ``NodeAgent._serve``: node 2 ignores it and stays."""
-    port = free_port_pair()
-    procs = [follower(port, "--node-rank", "1"), follower(port, "--node-rank", "2")]
-    try:
-        ex = leader(port, join_timeout=60)
-        try:
-            node2 = [psutil.Process(procs[1].pid), *psutil.Process(procs[1].pid).children()]
-            assert len(node2) == 2  # agent + worker
-            lead = ex._leader
-            assert lead.path.send_control(node_topic(lead.nodes[2].node_id), ["failed", "a test"])
-            gone, alive = psutil.wait_procs(node2, timeout=3)
-            assert not alive, "node 2 did not end on a failure said on its node topic"
-            assert procs[1].wait(1) == 0
-            assert procs[0].poll() is None
-        finally:
-            ex.shutdown()
-    finally:
-        for p in procs:
-            end_process(p)
+    with leader_and_two_followers() as (ex, procs, node2):
+        lead = ex._leader
+        assert lead.path.send_control(node_topic(lead.nodes[2].node_id), ["failed", "a test"])
+        gone, alive = psutil.wait_procs(node2, timeout=3)
+        assert not alive, "node 2 did not end on a failure said on its node topic"
+        assert procs[1].wait(1) == 0
+        assert procs[0].poll() is None
 
 
 def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):
