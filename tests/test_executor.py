@@ -247,12 +247,12 @@ def test_a_worker_that_exits_fails_the_executor_with_its_death():
     with that death (rank, exit code), not with the closed queue taken for a
     shutdown. Sabotage: raise ``ZbusError("executor is shut down")`` on the closed
     queue in ``_complete_head`` (as before): the failure is "completing calls
-    failed: ... executor is shut down"."""
+    failed: ... executor is shut down". Or let ``RpcFuture._complete`` raise the
+    failure it met: ``exception()`` raises it instead of returning it."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     try:
         pending = ex.collective_rpc("die", kwargs={"rank": 0, "how": "exit"}, non_block=True)
-        assert concurrent.futures.wait([pending], timeout=20).done
-        error = pending.exception()
+        error = pending.exception(timeout=20)  # returned, not raised
         assert isinstance(error, zbus.WorkerDiedError), repr(error)
         assert error.rank == 0 and error.exitcode == 7
         assert ex.failure.error is error

@@ -158,13 +158,18 @@ class RpcFuture(concurrent.futures.Future):
         if call is None or call.done():
             return
         mine = deadline_of(timeout)
-        if call.deadline is None or (mine is not None and mine < call.deadline):
-            call.executor._complete_until(call, mine)
-            return
+        due = call.deadline is not None and (mine is None or call.deadline <= mine)
         try:
-            call.executor._complete_until(call, call.deadline)
+            call.executor._complete_until(call, call.deadline if due else mine)
         except TimeoutError:
+            if not due:
+                raise
             call.expire()
+        except Exception as e:
+            if e is not call.executor.failure.error:
+                raise
+            # the failure settles this future (maybe this very moment): result() and
+            # exception() give it as they give any outcome
 
 
 def method_name(method: str | Callable) -> str:
