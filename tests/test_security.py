@@ -347,14 +347,29 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
         except BaseException as e:  # noqa: BLE001 - the test fails on it below
             fuzz["error"] = e
 
+    def lead():
+        try:
+            made["ex"] = zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1,
+                                       master_addr="127.0.0.1", master_port=port, join_timeout=60)
+        except BaseException as e:  # noqa: BLE001 - the test fails on it below
+            made["error"] = e
+
+    # the node starts only once the fuzz reaches the leader's port, so that it joins
+    # during the fuzz (a connection still retrying at formation tested nothing)
+    connected = push.get_monitor_socket(zmq.EVENT_CONNECTED)
+    made: dict = {}
     t = threading.Thread(target=run_fuzz)
     t.start()
+    leading = threading.Thread(target=lead)
     proc = None
     try:
         wait_until(lambda: fuzz["tries"] > 0 or fuzz["error"], 30, "the fuzz thread sending")
+        leading.start()
+        assert connected.poll(30_000), "the fuzz never reached the leader's port"
         proc = follower(port, "--node-rank", "1")
-        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
-                           master_port=port, join_timeout=60) as ex:
+        leading.join(90)
+        assert "ex" in made, made
+        with made["ex"] as ex:
             stop.set()
             t.join(5)
             assert not t.is_alive() and fuzz["error"] is None, fuzz
@@ -368,6 +383,12 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     finally:
         stop.set()
         t.join(5)
+        if leading.is_alive():
+            leading.join(90)
+        if "ex" in made:
+            made["ex"].shutdown()
+        push.disable_monitor()
+        connected.close(linger=0)
         ctx.destroy(linger=0)
         if proc is not None:
             end_process(proc)
