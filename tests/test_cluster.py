@@ -655,7 +655,7 @@ def test_heartbeats_reach_the_other_nodes_while_one_node_stalls_the_calls():
     and leave, and the failure blames them instead of the stalled node. While the
     call waits, the heartbeats go out on each node's own topic that has room, and
     the call stays waiting for all. Sabotage: send heartbeats as one broadcast
-    only (``send_beat`` returns after the first ``sent_now``), or keep the socket
+    only (no ``instead`` topics in ``DataPath._send_now``), or keep the socket
     for the whole wait (no ``turn.let_others()`` in ``queues._send_waiting``): no
     heartbeat reaches the healthy node while the call waits."""
     from zbus.errors import Cancelled, SendTimeout

@@ -332,12 +332,7 @@ class DataPath:
         or a subscriber full for ``timeout`` (``wait=False``: full now)."""
         if wait:
             return send_message(self.bcast.xpub, obj, timeout, "control send", topic, self.xpub_lock)
-        if not self.xpub_lock.acquire(timeout=timeout):
-            return False
-        try:
-            return sent_now(self.bcast.xpub, [topic, *codec.encode(obj)], "control send")
-        finally:
-            self.xpub_lock.release()
+        return self._send_now([topic], obj, timeout)
 
     def send_beat(self, obj: Any, node_ids: list[str], timeout: float) -> bool:
         """Send a heartbeat (or ``failed``) to the nodes without waiting on any: one
@@ -345,13 +340,20 @@ class DataPath:
         every broadcast wait), a copy on each node's own topic that has room, so the
         other nodes still hear the leader. False if none went out, or the socket
         stayed busy for ``timeout``."""
+        return self._send_now([TOPIC_HEARTBEAT], obj, timeout, [node_topic(n) for n in node_ids])
+
+    def _send_now(self, topics: list[bytes], obj: Any, timeout: float,
+                  instead: list[bytes] | None = None) -> bool:
+        """Send ``obj`` on ``topics`` where every subscriber has room now (the socket
+        taken within ``timeout``); if it went on none of them, on each of ``instead``
+        that has room. Whether it went anywhere. Never waits on a subscriber."""
         frames = codec.encode(obj)
         if not self.xpub_lock.acquire(timeout=timeout):
             return False
         try:
-            if sent_now(self.bcast.xpub, [TOPIC_HEARTBEAT, *frames], "heartbeat"):
-                return True
-            sent = [sent_now(self.bcast.xpub, [node_topic(n), *frames], "heartbeat") for n in node_ids]
+            sent = [sent_now(self.bcast.xpub, [t, *frames], "control send") for t in topics]
+            if not any(sent) and instead:
+                sent = [sent_now(self.bcast.xpub, [t, *frames], "control send") for t in instead]
             return any(sent)
         finally:
             self.xpub_lock.release()
