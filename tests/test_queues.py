@@ -254,6 +254,21 @@ def test_broadcaster_reaches_every_subscriber(ctx):
         bc.close()
 
 
+def test_broadcaster_whose_port_is_taken_leaves_no_ring_behind(ctx):
+    """Binding after the ring is made: a port in use must not leak the ring's
+    segment (a driver that retries on other ports would leak one per try).
+    Sabotage: drop the ``close()`` in Broadcaster's failed bind → a segment stays."""
+    taken = ctx.socket(zmq.PULL)
+    port = taken.bind_to_random_port(f"tcp://{HOST}")
+    before = zbus_segments()
+    try:
+        with pytest.raises(zmq.ZMQError):
+            Broadcaster(2, host=HOST, port=port, ctx=ctx)
+        assert zbus_segments() == before
+    finally:
+        taken.close(linger=0)
+
+
 def test_broadcaster_without_remote_side_cannot_wait_for_subscribers():
     bc = Broadcaster(0)
     try:

@@ -74,6 +74,7 @@ class LocalWorkers:
         self.procs: list[subprocess.Popen] = []
         self._on_death = on_death
         self.stopping = False
+        pidfds: list[int] = []
         try:
             for place, resp in zip(places, responses):
                 info = dict(place, bcast=bcast, resp=resp, death_fd=death_r, segments=segments)
@@ -82,22 +83,25 @@ class LocalWorkers:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-c", "from zbus.worker import main; main()"], env=env,
                     pass_fds=(death_r,), stdin=subprocess.DEVNULL))
+                # here, not in the watcher: a kernel or seccomp profile without pidfds
+                # fails the start, instead of a watcher that dies and reports no death
+                pidfds.append(os.pidfd_open(self.procs[-1].pid))
         except BaseException:
             os.close(death_r)
             self.kill()
-            for fd in (self._death_w, self._stop_r, self._stop_w):
+            for fd in (*pidfds, self._death_w, self._stop_r, self._stop_w):
                 os.close(fd)
             self._death_w = -1
             raise
         os.close(death_r)
-        self._thread = threading.Thread(target=self._watch, name="zbus-worker-monitor", daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(pidfds,), name="zbus-worker-monitor",
+                                        daemon=True)
         self._thread.start()
 
-    def _watch(self) -> None:
+    def _watch(self, pidfds: list[int]) -> None:
         poller = select.poll()
         fds = {}
-        for i, p in enumerate(self.procs):
-            fd = os.pidfd_open(p.pid)
+        for i, fd in enumerate(pidfds):
             fds[fd] = i
             poller.register(fd, select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)
@@ -146,9 +150,10 @@ class LocalWorkers:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+        deadline = time.monotonic() + KILL_WAIT_S  # for them all: a hung driver hangs every worker
         for p in self.procs:
             try:  # a process in uninterruptible sleep (a hung device driver) outlives SIGKILL
-                p.wait(KILL_WAIT_S)
+                p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.error("worker pid %d did not end %.0f s after SIGKILL: left to the system",
                           p.pid, KILL_WAIT_S)

@@ -212,16 +212,24 @@ class Broadcaster:
         self.port = 0
         self.subscribers: list[bytes] = []
         if host is not None:
-            self.xpub = (ctx or zmq.Context.instance()).socket(zmq.XPUB)
-            self.xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
-            self.xpub.setsockopt(zmq.XPUB_NODROP, 1)
-            self.xpub.setsockopt(zmq.SNDHWM, 64)
-            self.xpub.setsockopt(zmq.LINGER, 0)
-            self.xpub.setsockopt(zmq.MAXMSGSIZE, 4096)  # it only receives subscriptions (and a handshake)
-            if configure is not None:  # e.g. CurveZMQ keys, which must precede bind
-                configure(self.xpub)
-            self.in_parts = bool(self.xpub.getsockopt(zmq.CURVE_SERVER))
-            self.port = bind(self.xpub, host, port, port_range)
+            try:
+                self._open_xpub(ctx or zmq.Context.instance(), host, port, port_range, configure)
+            except BaseException:  # a port in use, say: leave no ring (nor socket) behind
+                self.close()
+                raise
+
+    def _open_xpub(self, ctx: zmq.Context, host: str, port: int, port_range: tuple[int, int] | None,
+                   configure: Callable[[zmq.Socket], None] | None) -> None:
+        self.xpub = ctx.socket(zmq.XPUB)
+        self.xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.xpub.setsockopt(zmq.XPUB_NODROP, 1)
+        self.xpub.setsockopt(zmq.SNDHWM, 64)
+        self.xpub.setsockopt(zmq.LINGER, 0)
+        self.xpub.setsockopt(zmq.MAXMSGSIZE, 4096)  # it only receives subscriptions (and a handshake)
+        if configure is not None:  # e.g. CurveZMQ keys, which must precede bind
+            configure(self.xpub)
+        self.in_parts = bool(self.xpub.getsockopt(zmq.CURVE_SERVER))
+        self.port = bind(self.xpub, host, port, port_range)
 
     @property
     def handle(self) -> RingHandle | None:
