@@ -812,6 +812,28 @@ def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
         assert procs[1].wait(1) == 0
 
 
+def test_a_failed_executor_ends_a_node_whose_relay_waits_on_a_stuck_worker():
+    """Node 2's worker is stuck in a call and more calls than its ring holds wait
+    behind it, so its agent waits for room in the ring. Then node 1's worker dies:
+    node 2 still hears ``failed`` and ends at once. Sabotage: leave what the relay
+    reads ahead for later (no ``_ends_now`` in ``NodeAgent._read_ahead``): node 2
+    holds its worker until the driver shuts down."""
+    with leader_and_two_followers() as (ex, procs, node2):
+        ex.collective_rpc("sleep_on_node", args=(2, 60), non_block=True)
+        for _ in range(12):  # the ring holds 8
+            ex.collective_rpc("whoami", non_block=True)
+        time.sleep(0.5)  # node 2's agent now waits for room
+        assert all(p.is_running() for p in node2)
+        with pytest.raises(zbus.WorkerDiedError):
+            ex.collective_rpc("die", kwargs={"rank": 1}, timeout=20)
+        t0 = time.monotonic()
+        gone, alive = psutil.wait_procs(node2, timeout=10)
+        elapsed = time.monotonic() - t0
+        print(f"node 2 ended {elapsed:.2f} s after the executor failed, its relay waiting")
+        assert not alive and elapsed < 3.0
+        assert procs[1].wait(1) == 0
+
+
 @contextlib.contextmanager
 def leader_and_two_followers():
     """A leader and followers 1 and 2, one worker each: (executor, the follower

@@ -120,6 +120,15 @@ class LeaderLost(ZbusError):
     """No heartbeat from the leader within the liveness limit."""
 
 
+class NodeEnded(Exception):
+    """The leader ended this node (``bye``, ``failed``) while a relay waited for
+    room in the ring: ``run()`` returns ``code``."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
 class NodeAgent:
     """Runs one follower node. ``run()`` returns the process exit code."""
 
@@ -183,6 +192,8 @@ class NodeAgent:
             welcome = self._join()
             self._start_workers(welcome)
             return self._serve()
+        except NodeEnded as e:
+            return e.code
         except LeaderLost as e:
             log.error("%s: ending this node's workers", e)
             self._stop_grace = 0.2  # no leader to answer: free the GPUs at once
@@ -347,22 +358,27 @@ class NodeAgent:
                     elif topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id):
                         # (heartbeats come on the node topic while another node stalls broadcasts)
                         msg = self._decode(frames[1:])
-                        if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
-                            raise ZbusError(f"the leader dropped this node: {str(msg[1:])[:200]}")
-                        if msg == ["stopping"]:
-                            self.workers.stopping = True
-                        elif type(msg) is list and len(msg) == 2 and msg[0] == "hb":
+                        if type(msg) is list and len(msg) == 2 and msg[0] == "hb":
                             self._check_sent(msg[1])
-                        elif msg == ["bye"]:
-                            log.info("leader said bye: stopping")
-                            self.workers.stop(grace=5.0)
+                        elif self._ends(msg):
                             return 0
-                        elif type(msg) is list and msg[:1] == ["failed"]:
-                            log.error("the executor failed (%s): ending this node's workers",
-                                      str(msg[1:])[:200])
-                            self.workers.stopping = True  # their exits are no news
-                            self._stop_grace = 0.2  # nobody waits for their results
-                            return 0
+
+    def _ends(self, msg: Any) -> bool:
+        """Act on the leader's word for this node; whether the node ends now."""
+        if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
+            raise ZbusError(f"the leader dropped this node: {str(msg[1:])[:200]}")
+        if msg == ["stopping"]:
+            self.workers.stopping = True
+        elif msg == ["bye"]:
+            log.info("leader said bye: stopping")
+            self.workers.stop(grace=5.0)
+            return True
+        elif type(msg) is list and msg[:1] == ["failed"]:
+            log.error("the executor failed (%s): ending this node's workers", str(msg[1:])[:200])
+            self.workers.stopping = True  # their exits are no news
+            self._stop_grace = 0.2  # nobody waits for their results
+            return True
+        return False
 
     def _poll(self, poller: zmq.Poller, wake: float) -> dict:
         """Wait for the leader (or a worker's death) until ``wake``. Within the
@@ -452,8 +468,20 @@ class NodeAgent:
             if len(self._backlog) >= BACKLOG_MESSAGES or self._backlog_bytes >= BACKLOG_BYTES:
                 return  # unread messages prove nothing: a dead leader's socket stays readable
             frames = self._read()
+            if self._ends_now(frames):  # the calls waiting for this relay will never be read
+                raise NodeEnded(0)
             self._backlog_bytes += sum(len(f) for f in frames)
             self._backlog.append(frames)
+
+    def _ends_now(self, frames: list) -> bool:
+        """Whether a message read ahead ends the node (``failed``, ``bye``): workers
+        stuck in a call must not hold their GPUs until the backlog is full. Others,
+        heartbeats among them, wait their turn (a heartbeat names calls read ahead)."""
+        topic = bytes(frames[0])
+        if topic != TOPIC_HEARTBEAT and topic != node_topic(self.node_id):
+            return False
+        msg = self._decode(frames[1:])
+        return not (type(msg) is list and msg[:1] == ["hb"]) and self._ends(msg)
 
     @staticmethod
     def _call_frames(topic: bytes, frames: list) -> list:
