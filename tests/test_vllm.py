@@ -224,6 +224,61 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
                         {"mine", "trust_remote_code"})
 
 
+def test_each_worker_names_its_own_gpu_as_vllm_counts_them(monkeypatch):
+    """zbus shows each worker only its own GPU, so vLLM's local rank (its index of
+    the worker's device) is 0 there. Sabotage: hand vLLM zbus's local rank → local
+    rank 1 names a second GPU the worker cannot see (vLLM's GPU worker asserts)."""
+    from zbus.vllm.worker import device_index
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert device_index(1) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the operator's own choice: all seen
+    assert device_index(1) == 1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert device_index(1) == 1
+
+
+def test_cores_are_planned_for_the_workers_of_this_node(monkeypatch, wire):
+    """Two nodes of one worker each (TP=2): each node binds its one worker as
+    vLLM's multi-node executor would, from a list of its own cores. Sabotage: plan
+    from vLLM's configuration as it is (the whole world on one node) → a one-entry
+    list is refused ("doesn't match local world size 2")."""
+    from vllm import EngineArgs
+
+    from zbus.vllm.bench import tiny_model
+    from zbus.vllm.worker import cpu_plan
+
+    config = EngineArgs(model=tiny_model(), load_format="dummy", skip_tokenizer_init=True,
+                        tensor_parallel_size=2, enforce_eager=True,
+                        max_model_len=256).create_engine_config()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert cpu_plan(config, local_world_size=1) == [[1]]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert cpu_plan(config, local_world_size=2) == [[0], [1]]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert cpu_plan(config, local_world_size=1) == []
+    assert config.parallel_config.nnodes == 1  # the engine's own configuration is untouched
+
+
+def test_the_executor_says_it_failed_for_good():
+    """vLLM's fault tolerance asks ``is_failed`` to tell a dead engine from one it
+    may recover: a zbus failure is for good. Sabotage: no ``is_failed`` (vLLM
+    then reports a recoverable engine)."""
+    import zbus
+    from zbus.vllm.executor import ZbusExecutor
+
+    adapter = ZbusExecutor.__new__(ZbusExecutor)  # vLLM's interface over a plain cluster
+    assert adapter.is_failed is False
+    adapter._zbus = zbus.Executor("workers:EchoWorker", nproc_per_node=1)
+    try:
+        assert adapter.is_failed is False
+        with pytest.raises(zbus.WorkerDiedError):
+            adapter._zbus.collective_rpc("die", timeout=30)
+        assert adapter.is_failed is True
+    finally:
+        adapter._zbus.shutdown()
+
+
 # --- the engine ------------------------------------------------------------------
 
 

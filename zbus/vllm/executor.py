@@ -110,6 +110,13 @@ class ZbusExecutor(VllmExecutor):
         self._zbus.check_health()
         self.collective_rpc("check_health", timeout=10)
 
+    @property
+    def is_failed(self) -> bool:
+        """Whether the cluster failed (for good: vLLM's fault tolerance asks this
+        to tell a dead engine from one it may recover)."""
+        zbus = getattr(self, "_zbus", None)
+        return zbus is not None and zbus.failure.error is not None
+
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once when the cluster fails (at once if it has): the
         zbus executor's failure is the one state (it logs the error)."""

@@ -39,11 +39,11 @@ class VllmWorker(Worker):
             check_remote_config(vllm_config, allowed())
         if "VLLM_HOST_IP" not in os.environ:  # vLLM's own guess needs a route to the internet
             os.environ["VLLM_HOST_IP"] = route_to(resolve_ip(os.environ["MASTER_ADDR"]))[0]
-        bind_cpus(vllm_config, self.local_rank)
+        bind_cpus(vllm_config, self.local_rank, self.local_world_size)
         tp = vllm_config.parallel_config.tensor_parallel_size
         kwargs: list[dict] = [{} for _ in range(self.world_size)]
         kwargs[self.rank] = {
-            "vllm_config": vllm_config, "local_rank": self.local_rank, "rank": self.rank,
+            "vllm_config": vllm_config, "local_rank": device_index(self.local_rank), "rank": self.rank,
             "distributed_init_method": distributed_init_method(self.node_rank),
             "is_driver_worker": self.rank % tp == 0,
         }
@@ -75,7 +75,15 @@ class VllmWorker(Worker):
         return getattr(self.wrapper, name)
 
 
-def bind_cpus(vllm_config: Any, local_rank: int) -> None:
+def device_index(local_rank: int) -> int:
+    """The index of this worker's GPU among those it sees, which vLLM calls its
+    local rank: 0 where zbus shows each worker only its own GPU
+    (``CUDA_VISIBLE_DEVICES``, see ``zbus.processes.worker_env``)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return 0 if visible and "," not in visible else local_rank
+
+
+def bind_cpus(vllm_config: Any, local_rank: int, local_world_size: int) -> None:
     """On vLLM's CPU platform, pin this worker to the cores vLLM's own executor
     would give it (``VLLM_CPU_OMP_THREADS_BIND``), before torch starts its threads:
     vLLM sets that up in the parent, per child, which zbus workers do not have."""
@@ -84,14 +92,30 @@ def bind_cpus(vllm_config: Any, local_rank: int) -> None:
     if not current_platform.is_cpu():
         return
     import torch
-    from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-    plan = OMPProcessManager(vllm_config)
-    if plan.skip_setup or local_rank >= len(plan.cpu_lists):
+    cpu_lists = cpu_plan(vllm_config, local_world_size)
+    if local_rank >= len(cpu_lists):
         return
-    cpus = plan.cpu_lists[local_rank]
+    cpus = cpu_lists[local_rank]
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
+
+
+def cpu_plan(vllm_config: Any, local_world_size: int) -> list[list[int]]:
+    """The cores of each of this node's ``local_world_size`` workers, as vLLM's own
+    multi-node executor plans them on each node (none with ``nobind``). vLLM plans
+    for ``world_size / nnodes`` local workers; zbus spreads the world over its own
+    nodes, which vLLM's configuration does not know."""
+    import copy
+
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    pc = vllm_config.parallel_config
+    node_view = copy.copy(vllm_config)
+    node_view.parallel_config = copy.copy(pc)
+    node_view.parallel_config.nnodes = max(1, pc.world_size // local_world_size)
+    plan = OMPProcessManager(node_view)
+    return [] if plan.skip_setup else plan.cpu_lists
 
 
 def remove_cpu_shm(port: int | str, node_rank: int) -> None:
