@@ -922,6 +922,14 @@ MALFORMED = {
                            f"buffer index {bytes(8)!r} out of range"),
     "tensor index a str": ([header(ext(TENSOR, ["uint8", [2], [1], "ab"]))],
                            "buffer index 'ab' out of range"),
+    # msgpack's timestamp (code -1) never reaches ext_hook: the walk refuses it. Sabotage:
+    # no _TIMESTAMPS check in _check_header → these decode to msgpack Timestamps.
+    "timestamp fixext 4": ([bytes.fromhex("92a46a6f696ed6ff00000001")], "unknown extension type"),
+    "timestamp fixext 8": ([b"\x92\xa1x\xd7\xff" + bytes(8)], "unknown extension type"),
+    "timestamp ext 12": ([raw_ext(-1, bytes(12))], "unknown extension type"),
+    "timestamp ext16 4": ([b"\xc8\x00\x04\xff" + bytes(4)], "unknown extension type"),
+    "timestamp in a tuple": ([header(msgpack.ExtType(TUPLE, b"\x92\x01" + raw_ext(-1, bytes(8))))],
+                             "unknown extension type"),
 }
 
 

@@ -224,8 +224,9 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
             header = codec.encode(["hb", 1])[0]
             batch("garbage", [[b"\xc1garbage"], [header[:-1]], [b"\x93\x01\x02"],  # invalid, truncated x2
                               [b"\x92\xd4\x63\x00\x01"],  # an unknown extension type
+                              [b"\x92\xa4join\xd6\xff\x00\x00\x00\x01"],  # msgpack's timestamp
                               [b"x" * 100, b"y"]],  # trailing bytes after the first item
-                  {"undecodable": 5})
+                  {"undecodable": 6})
             batch("not a non-empty list", [codec.encode({"not": "a list"}), codec.encode([]),
                                            codec.encode(5)], {"shape": 3})
             batch("replies for no remote rank", [codec.encode([7, 1, 0, None]),  # rank 0 is local
@@ -451,8 +452,9 @@ def forge(port: int, curve, messages: list) -> None:
     try:
         curve.client(push)
         push.connect(f"tcp://127.0.0.1:{port + 1}")
-        for msg in messages:
-            send_frames(push, codec.encode(msg), time.monotonic() + 10, "forge")
+        for msg in messages:  # (bytes: a header as is)
+            frames = [msg] if type(msg) is bytes else codec.encode(msg)
+            send_frames(push, frames, time.monotonic() + 10, "forge")
     finally:
         push.close(linger=10000)  # term() returns once they have left (10 s at most)
         ctx.term()
@@ -467,12 +469,15 @@ def wait_dropped(ex, at_least: int, timeout: float = 20) -> int:
 
 def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     """Node 2's key sends a reply, a death notice, a heartbeat and a gap report for
-    node 1 (rank 1): all dropped and counted as ``not-owner``; its own heartbeat,
+    node 1 (rank 1), and a reply for rank 1 that cannot be decoded (which would
+    become an error reply for that call): all dropped and counted as
+    ``not-owner``; its own heartbeat,
     sent after them, is not (a stray ``refused`` sent last marks when the leader
     has read them all: one connection's messages are read in order); the cluster
     serves on. Sabotage: make DataPath._sent_by_owner return True: fails (nothing
     counted as ``not-owner``; the forged "died" fails the executor with
-    WorkerDiedError)."""
+    WorkerDiedError). Return an undecodable reply before the key's check in
+    ``DataPath._recv_control`` (as before): it counts as ``unexpected-reply``."""
     from zbus.curve import NodeCurve
 
     keygen(str(tmp_path), nodes=2)
@@ -485,13 +490,14 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
             before = ex._leader.dropped_by
             forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
-                  [[1, 10**6, 0, "forged"], ["died", 1, 1, 9], ["hb", 1], ["gap", 1, 1, 5], ["hb", 2],
+                  [[1, 10**6, 0, "forged"], bytes.fromhex("9401ce000f424000c1"),  # [1, 10**6, 0, invalid]
+                   ["died", 1, 1, 9], ["hb", 1], ["gap", 1, 1, 5], ["hb", 2],
                    ["refused", "no-such-node", "a marker"]])
             wait_until(lambda: ex._leader.dropped_by.get("stray-refused", 0) > before.get("stray-refused", 0),
                        20, "the marker after the forged messages counted")
             after = ex._leader.dropped_by
             assert {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)} == {
-                "not-owner": 4, "stray-refused": 1}, after  # node 2's own heartbeat was taken
+                "not-owner": 5, "stray-refused": 1}, after  # node 2's own heartbeat was taken
             ex.check_health()
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
         assert [p.wait(30) for p in procs] == [0, 0]

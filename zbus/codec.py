@@ -483,6 +483,12 @@ _FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}  # body size
 _EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # width of the body size
 _ONE_BYTE_ITEMS = re.compile(rb"[\x00-\x7f\xa0\xc0\xc2\xc3\xe0-\xff]+")
 _LEVELS = bytes([*range(0x80, 0xa0), *_LIST, *_FIXEXT, *_EXT])  # type bytes that open a level
+# Extension type -1 is msgpack's timestamp, which msgpack builds itself (no ext_hook)
+# from a body of 4, 8 or 12 bytes: a header that may hold one is walked, which
+# refuses it like any code not in _EXT_CODES.
+_TIMESTAMPS = (b"\xd6\xff", b"\xd7\xff", *(bytes([0xc7, n, 0xff]) for n in (4, 8, 12)),
+               *(bytes([0xc8, 0, n, 0xff]) for n in (4, 8, 12)),
+               *(bytes([0xc9, 0, 0, 0, n, 0xff]) for n in (4, 8, 12)))
 _EXT_CODES = frozenset({_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT})
 _NEGATIVE_FIXINTS = bytes(range(0xe0, 0xfb))  # -32..-6: ints Python makes anew (from -5 it keeps)
 _INT_OBJECT = 40  # bytes of such an int, and its slot
@@ -498,7 +504,8 @@ def _check_header(view: memoryview) -> None:
     than MAX_DEPTH, or too big for the worst case to fit, is walked."""
     data = bytes(view)
     limit = OBJECTS_MIN + OBJECTS_FACTOR * len(data)
-    if len(data) - len(data.translate(None, _LEVELS)) > MAX_DEPTH or len(data) * _WORST_ITEM > limit:
+    if len(data) - len(data.translate(None, _LEVELS)) > MAX_DEPTH or len(data) * _WORST_ITEM > limit or (
+            b"\xff" in data and any(t in data for t in _TIMESTAMPS)):
         try:
             _walk(data, limit - _negative_fixints(data))
         except IndexError:

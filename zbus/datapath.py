@@ -483,23 +483,23 @@ class DataPath:
                           f"{MAX_CONTROL_MESSAGE})", "too-big")
                 return None
             msg = codec.decode(frames, self.max_reply)
+            if type(msg) is list and msg and type(msg[0]) is not int:  # not a reply: what it holds
+                self._msg_bytes = size + codec.object_bytes(frames[0])
         except CodecError as e:
-            reply = _undecodable_reply(frames, e)
-            if reply is None:
+            msg = _undecodable_reply(frames, e)  # (whose rank is checked against the key below)
+            if msg is None:
                 self.drop(f"a malformed message from the network: {e}", "undecodable")
-            return reply
+                return None
         except zmq.ZMQError as e:
             self.drop(f"a message that could not be read: {e}", "unreadable")
             return None
         if type(msg) is not list or not msg:
             self.drop(f"a message of the wrong shape: {brief(msg)}", "shape")
             return None
-        if type(msg[0]) is not int:  # not a reply: what it holds once decoded
-            self._msg_bytes = size + codec.object_bytes(frames[0])
-            if self._msg_bytes > MAX_CONTROL_MESSAGE:
-                self.drop(f"a {brief(msg[0])} message that decodes into about {self._msg_bytes} "
-                          f"bytes (at most {MAX_CONTROL_MESSAGE})", "too-big")
-                return None
+        if type(msg[0]) is not int and self._msg_bytes > MAX_CONTROL_MESSAGE:
+            self.drop(f"a {brief(msg[0])} message that decodes into about {self._msg_bytes} "
+                      f"bytes (at most {MAX_CONTROL_MESSAGE})", "too-big")
+            return None
         if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
             self.drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it",
                       "not-owner")
