@@ -627,11 +627,16 @@ def test_worker_message_handling_byte_for_byte():
     why = getattr(codec.decode(frames)[2], "message", "")
     assert why.startswith("cannot decode the arguments of 'echo': ")
     error(frames, protocol.REFUSED, "zbus.errors.ZbusError", why)
+    for payload in (5, None, [1, 2, 3], ((), []), ((), {1: 2}), [(), {}]):  # decodable, not (args, kwargs)
+        why = getattr(codec.decode(call("echo", codec.encode(payload)))[2], "message", "")
+        assert why.startswith("cannot decode the arguments of 'echo': the arguments are not"), why
     envelope = codec.encode([protocol.CALL, 8, "echo", 1, 1, 7])  # only rank 1 replies
     assert handle(worker, [*envelope, protocol.NO_ARGS], replies, False) and not sent
     assert set(acks) == {6, 7} and acks[-1] == 7
     assert not handle(worker, codec.encode([protocol.STOP]), replies, False)
-    for bad in ([b"\xc1"], [b"\x93\x01\x02\x03"], [b"\xd4\x63\x00"], codec.encode({"a": 1})):
+    for bad in ([b"\xc1"], [b"\x93\x01\x02\x03"], [b"\xd4\x63\x00"], codec.encode({"a": 1}),
+                [b"\x91" * 1000 + b"\x01"], [b"\xdd\x00\x80\x00\x00" + b"\x90" * 64],  # deep; 8M items
+                [codec.encode([protocol.CALL, 1, "m" * 70_000, 0, 1, 0])[0]]):
         with pytest.raises(zbus.errors.CodecError):
             handle(worker, bad, replies, False)
     assert not sent

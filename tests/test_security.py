@@ -395,6 +395,62 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
             end_process(proc)
 
 
+def test_a_join_whose_rank_no_comparison_can_judge_does_not_stop_formation():
+    """During formation a peer joins as node "evil" with a numpy array for its rank,
+    and subscribes to its node topic so that the join is up for a welcome: it is
+    dropped as ``bad-join``, and the real node joins after it. Sabotage: no
+    ``_join_types`` check in ``Membership._on_join``: every welcome check raises on
+    ``rank in (None, -1)``, the poisoned join is never removed, and the real node is
+    never welcomed (the executor's start times out)."""
+    import threading
+
+    port = free_port_pair()
+    ctx = zmq.Context()
+    made: dict = {}
+
+    def lead():
+        try:
+            made["ex"] = zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1,
+                                       master_addr="127.0.0.1", master_port=port, join_timeout=25)
+        except BaseException as e:  # noqa: BLE001 - the test fails on it below
+            made["error"] = e
+
+    leading = threading.Thread(target=lead)
+    leading.start()
+    proc = None
+    try:
+        sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+        for sock in (sub, push):
+            sock.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"Nevil")
+        connected = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        push.setsockopt(zmq.IMMEDIATE, 1)  # the send waits for the leader's port
+        push.setsockopt(zmq.SNDTIMEO, 30_000)
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        assert connected.poll(30_000), "the leader's broadcast port never came"
+        info = {"version": 2, "nproc": 1, "host": "evil", "address": "127.0.0.1", "pid": 1,
+                "node_rank": np.zeros(2, np.int8)}
+        push.send_multipart(codec.encode(["join", "evil", info]))
+        sub.disable_monitor()
+        connected.close(linger=0)
+        # (on loopback both arrive long before the node's interpreter has started)
+        proc = follower(port, "--node-rank", "1")
+        leading.join(60)
+        assert "ex" in made, made
+        with made["ex"] as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            assert ex._leader.dropped_by.get("bad-join") == 1, ex._leader.dropped_by
+            assert "handler" not in ex._leader.dropped_by
+    finally:
+        leading.join(60)
+        if "ex" in made:
+            made["ex"].shutdown()
+        ctx.destroy(linger=0)
+        if proc is not None:
+            end_process(proc)
+
+
 def good_welcome(**changes):
     welcome = {"node_rank": 1, "nnodes": 2, "nproc_per_node": 2, "master_addr": "10.0.0.1",
                "liveness_s": 10.0, "reply_address": "tcp://10.0.0.1:29651", "torch_port": 29700,
@@ -413,9 +469,11 @@ def good_welcome(**changes):
     ({"env": {str(i): "" for i in range(2000)}}, "env"),
     ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": 3600.0}}, "poll_s"),
     ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": "1"}}, "poll_s"),
-    ({"max_reply": 0}, "max_reply"), ({"max_reply": "1"}, "max_reply")])
+    ({"max_reply": 0}, "max_reply"), ({"max_reply": "1"}, "max_reply"),
+    ({"nproc_per_node": np.array([2, 2])}, "nproc_per_node"), ({"node_rank": np.array([1, 1])}, "node_rank")])
 def test_a_follower_checks_every_welcome_field(changes, why):
-    """Sabotage: make check_welcome return None (the old code checked nothing)."""
+    """Sabotage: make check_welcome return None (the old code checked nothing).
+    Compare ``nproc_per_node`` before its type (as before): a numpy array raises."""
     from zbus.agent import check_welcome
 
     assert check_welcome(good_welcome(), nproc=2, node_rank=1) is None

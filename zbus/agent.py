@@ -86,7 +86,8 @@ def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None
     def is_text(value: Any) -> bool:
         return type(value) is str and 0 < len(value) <= MAX_TEXT
 
-    if w.get("nproc_per_node") != nproc or type(w.get("nproc_per_node")) is not int:
+    # (types before values: == on a numpy array, say, raises)
+    if type(w.get("nproc_per_node")) is not int or w["nproc_per_node"] != nproc:
         return f"nproc_per_node {brief(w.get('nproc_per_node'))} is not this node's {nproc}"
     if not is_int("nnodes", 2, MAX_NNODES):
         return f"nnodes {brief(w.get('nnodes'))} outside 2..{MAX_NNODES}"

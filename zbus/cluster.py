@@ -79,6 +79,12 @@ def brief(obj: Any) -> str:
         return f"<{type(obj).__name__}: repr failed: {type(e).__name__}>"
 
 
+def any_rank(rank: Any) -> bool:
+    """Whether a join's ``node_rank`` asks for any free rank (None or -1); False for
+    what is no int, a numpy array say, where ``in (None, -1)`` would raise."""
+    return rank is None or (type(rank) is int and rank == -1)
+
+
 def node_topic(node_id: str) -> bytes:
     return b"N" + node_id.encode()
 

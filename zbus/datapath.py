@@ -26,7 +26,7 @@ from typing import Any, Callable
 import zmq
 
 from . import codec, protocol
-from .cluster import TOPIC_HEARTBEAT, TOPIC_RPC, ClusterSettings, brief, node_topic
+from .cluster import TOPIC_HEARTBEAT, TOPIC_RPC, ClusterSettings, any_rank, brief, node_topic
 from .curve import LeaderCurve
 from .errors import CodecError, RingClosed
 from .metrics import Metrics
@@ -521,7 +521,7 @@ class DataPath:
             return len(msg) > 2 and type(msg[1]) is type(msg[2]) is int and msg[1] == node_rank \
                 and msg[2] in ranks
         if kind == "join" and len(msg) == 3 and isinstance(msg[2], dict):
-            if msg[2].get("node_rank") in (None, -1):
+            if any_rank(msg[2].get("node_rank")):
                 msg[2]["node_rank"] = node_rank  # the key decides which free rank it takes
             return type(msg[2]["node_rank"]) is int and msg[2]["node_rank"] == node_rank
         if kind in ("subscribed", "refused") and len(msg) > 1 and type(msg[1]) is str:

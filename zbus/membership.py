@@ -31,6 +31,7 @@ from .cluster import (
     STATUS_TOPIC,
     TOPIC_HEARTBEAT,
     ClusterSettings,
+    any_rank,
     brief,
     node_topic,
     touch_health,
@@ -43,6 +44,15 @@ from .metrics import Metrics
 log = logging.getLogger(__name__)
 
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
+# The types of the join fields a node sends (``NodeAgent._join``); node_rank may be None.
+JOIN_TYPES = {"version": int, "nproc": int, "host": str, "address": str, "node_rank": int, "pid": int}
+
+
+def _join_types(info: dict) -> bool:
+    """Whether the fields a join has are of the types a node sends (missing ones
+    are refused later, loudly, by ``Membership._check_join``)."""
+    return all(type(info[k]) is t or (k == "node_rank" and info[k] is None)
+               for k, t in JOIN_TYPES.items() if k in info)
 
 
 @dataclass
@@ -147,6 +157,9 @@ class Membership:
             # and it sends its join again every 2 s.
             self._joins.pop(next(iter(self._joins)))
             self.metrics.dropped(reason="join-flood")
+        if not _join_types(info):  # no value == cannot judge may wait in _joins
+            self.path.drop(f"a join with fields of the wrong types: {brief(info)}", "bad-join")
+            return
         self._joins[node_id] = info
         self._welcome_ready()
 
@@ -161,7 +174,7 @@ class Membership:
 
     def _held_by_probing(self, rank: Any) -> bool:
         probing = {n.node_rank for n in self._probing.values()}
-        if rank in (None, -1):  # any free rank: wait only if the probed nodes hold the last ones
+        if any_rank(rank):  # any free rank: wait only if the probed nodes hold the last ones
             taken = probing | set(self.nodes)
             return bool(probing) and all(r in taken for r in range(1, self.settings.nnodes))
         return type(rank) is int and rank in probing
@@ -240,7 +253,7 @@ class Membership:
                             f"{s.nproc_per_node} (world size {s.nnodes * s.nproc_per_node})")
         rank = info["node_rank"]
         taken = {n.node_rank: n for n in (*self.nodes.values(), *self._probing.values())}
-        if rank in (None, -1):
+        if any_rank(rank):
             free = [r for r in range(1, s.nnodes) if r not in taken]
             if not free:
                 raise ZbusError(f"node {host}: the cluster of {s.nnodes} nodes is complete")

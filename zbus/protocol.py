@@ -26,6 +26,7 @@ exception the method raised (RAISED, as :class:`zbus.codec.ExceptionInfo`), or w
 the call was refused before it ran (REFUSED).
 """
 
+import reprlib
 from typing import Any
 
 import msgpack
@@ -37,6 +38,7 @@ from .errors import CodecError
 # name the last call relayed.
 PROTOCOL_VERSION = 2
 CALL, STOP = 1, 2
+MAX_ENVELOPE = 65536  # bytes: a method's name and five ints
 NO_ARGS = codec.encode(((), {}))[0]  # the arguments of most calls, encoded once
 READY = -1
 OK, RAISED, REFUSED = 0, 1, 2
@@ -49,15 +51,20 @@ def call_envelope(seq: int, method: str, reply_rank: int, n_payload: int, answer
 
 def read_envelope(frame: Any) -> list:
     """``[STOP]`` or ``[CALL, seq, method, reply_rank, n_payload, answered]`` from a
-    message's first frame; :class:`CodecError` for anything else."""
+    message's first frame; :class:`CodecError` for anything else. Bounded: no
+    array longer than an envelope's (msgpack allocates a declared length before
+    it reads the items), no map, no extension, and a short repr of what is refused."""
     try:
-        envelope = msgpack.unpackb(frame, raw=False, use_list=True)
+        if len(frame) > MAX_ENVELOPE:
+            raise ValueError(f"{len(frame)} bytes, at most {MAX_ENVELOPE}")
+        envelope = msgpack.unpackb(frame, raw=False, use_list=True, max_array_len=6, max_map_len=0,
+                                   max_ext_len=0)
     except Exception as e:  # noqa: BLE001 - msgpack raises several types on bad input
         raise CodecError(f"cannot decode the envelope: {type(e).__name__}: {e}") from None
     if envelope != [STOP] and not (type(envelope) is list and len(envelope) == 6 and envelope[0] == CALL
                                    and type(envelope[1]) is type(envelope[3]) is type(envelope[4])
                                    is type(envelope[5]) is int):
-        raise CodecError(f"not a call envelope: {str(envelope)[:100]}")
+        raise CodecError(f"not a call envelope: {reprlib.repr(envelope)}")
     return envelope
 
 

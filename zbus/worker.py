@@ -22,6 +22,7 @@ import threading
 from typing import Any, Callable
 
 from . import protocol, shm
+from .cluster import brief
 from .config import MAX_POLL_S
 from .errors import CodecError, RingClosed, ZbusError
 from .logs import setup_logging
@@ -182,7 +183,7 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
         if n_payload == 1 and len(frames) == 2 and frames[1] == protocol.NO_ARGS:
             args, kwargs = (), {}
         else:
-            args, kwargs = codec.decode(frames[1:1 + n_payload])
+            args, kwargs = _arguments(codec.decode(frames[1:1 + n_payload]))
     except CodecError as e:
         result, status = ZbusError(f"cannot decode the arguments of {method!r}: {e}"), protocol.REFUSED
     else:
@@ -190,6 +191,14 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     if reply_rank < 0 or reply_rank == worker.rank:
         replies.send(seq, result, status)
     return True
+
+
+def _arguments(payload: Any) -> tuple[tuple | list, dict]:
+    """``(args, kwargs)`` as the driver sends them; CodecError for another shape."""
+    if not (type(payload) is tuple and len(payload) == 2 and type(payload[0]) in (tuple, list)
+            and type(payload[1]) is dict and all(type(k) is str for k in payload[1])):
+        raise CodecError(f"the arguments are not (args, kwargs): {brief(payload)}")
+    return payload
 
 
 # How long an orphaned worker gives its ``atexit`` hooks: its main thread may be stuck
