@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import psutil
 import pytest
@@ -159,7 +160,8 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
     remembers per name holds allowed names only. Sabotage: a build that imports
     the module a name gives. Or remember every name received, refused ones too
     (``self._builders[name] = None`` before ``_builder`` in ``VllmTypes.build``):
-    100 refused names grow the memory by 100."""
+    100 refused names grow the memory by 100. ``getattr`` in ``_wire_class`` or
+    ``_torch_dtype`` (as before): "vllm:LLM" imports vLLM's LLM, "has_cuda" runs."""
     import msgpack
     from vllm.v1.core.sched.output import KVConnectorBlockState
 
@@ -186,6 +188,17 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
         decode("vllm.config:VllmConfig.__init__")
     with pytest.raises(CodecError, match="not one of vLLM's"):
         decode("os:system")
+    # a module's __getattr__ is never asked: vLLM's imports what it is named, torch's
+    # imports its lazy modules and calls its deprecated names
+    assert "vllm.entrypoints.llm" not in sys.modules
+    with pytest.raises(CodecError, match="not a data type of vLLM"):
+        decode("vllm:LLM")
+    assert "vllm.entrypoints.llm" not in sys.modules
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's __getattr__ warns before it calls has_cuda's function
+        for dtype in ("has_cuda", "_inductor", "float32x"):
+            with pytest.raises(CodecError, match="unknown torch dtype"):
+                codec.decode([msgpack.packb(msgpack.ExtType(7, msgpack.packb(["vllm:dtype", dtype])))])
     with pytest.raises(CodecError, match="transformers' table"):
         decode("transformers.models.llama.configuration_llama:LlamaConfig")  # no model_type
     # what the family remembers per name holds allowed types only: refused names

@@ -177,7 +177,8 @@ def _torch_device(state: Any) -> Any:
 def _torch_dtype(state: Any) -> Any:
     import torch
 
-    dtype = getattr(torch, state, None) if type(state) is str and state.isidentifier() else None
+    # the module's own names only: torch's module __getattr__ imports or calls what it is named
+    dtype = vars(torch).get(state) if type(state) is str else None
     if not isinstance(dtype, torch.dtype):
         raise CodecError(f"unknown torch dtype {str(state)[:40]!r}")
     return dtype
@@ -195,7 +196,8 @@ def _wire_class(name: str, state: Any) -> type:
     for part in qualname.split("."):
         if part.startswith("__"):
             raise CodecError(f"type {name[:200]!r} refused")
-        obj = getattr(obj, part, None)
+        # what is there only: a module's __getattr__ (vLLM's, torch's) imports what it is named
+        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
     if not isinstance(obj, type) or obj.__module__ != module_name or not (
             dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
             or hasattr(obj, "__struct_fields__") or (issubclass(obj, tuple) and hasattr(obj, "_fields"))):
