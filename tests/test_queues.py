@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from conftest import spawn_python, zbus_segments
+from conftest import spawn_python, wait_until, zbus_segments
 from peer_procs import digest
 
 from zbus import ZbusError, codec
@@ -267,6 +267,54 @@ def test_broadcaster_whose_port_is_taken_leaves_no_ring_behind(ctx):
         assert zbus_segments() == before
     finally:
         taken.close(linger=0)
+
+
+def test_a_send_that_loses_the_socket_leaves_it_to_the_new_holder(ctx):
+    """A send waiting on a full subscriber lets another thread have the socket
+    between its waits; when it cannot take it back by its deadline, it must leave
+    the socket alone: the holder set its own send timeout on it. Sabotage: reset
+    ``SNDTIMEO`` in ``_send_waiting``'s ``finally`` in every case (as before) → the
+    holder's 20 ms becomes -1 under its feet (its next send could wait for ever,
+    holding the lock)."""
+    xpub = ctx.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.XPUB_NODROP, 1)
+    xpub.setsockopt(zmq.SNDHWM, 1)
+    xpub.setsockopt(zmq.SNDBUF, SMALL_BUF)
+    xpub.setsockopt(zmq.LINGER, 0)
+    port = bind(xpub, HOST)
+    sub = sub_socket(ctx, port, rcvhwm=1, rcvbuf=SMALL_BUF)  # never reads
+    try:
+        assert xpub.poll(5000) and xpub.recv() == b"\x01"  # subscribed
+        refused = 0
+        for _ in range(100_000):  # fill the pipe and the kernel buffers: full for 0.2 s
+            try:
+                xpub.send(bytes(4096), zmq.NOBLOCK)
+                refused = 0
+            except zmq.Again:
+                refused += 1
+                if refused == 4:
+                    break
+                time.sleep(0.05)  # (ZeroMQ's I/O thread may still move some to the kernel)
+        lock, done, seen = threading.Lock(), threading.Event(), {}
+
+        def holder() -> None:
+            wait_until(lock.locked, 5, "the sender holding the socket")
+            with lock:  # taken while the sender lets go between its waits
+                xpub.setsockopt(zmq.SNDTIMEO, 20)
+                seen["took"] = True
+                done.wait(10)
+                seen["sndtimeo"] = xpub.getsockopt(zmq.SNDTIMEO)
+
+        t = threading.Thread(target=holder)
+        t.start()
+        with pytest.raises(SendTimeout):
+            send_frames(xpub, [b"x"], deadline_of(0.3), "a test send", lock=lock)
+        done.set()
+        t.join(10)
+        assert seen == {"took": True, "sndtimeo": 20}, seen
+    finally:
+        sub.close()
+        xpub.close()
 
 
 def test_broadcaster_without_remote_side_cannot_wait_for_subscribers():

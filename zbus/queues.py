@@ -135,10 +135,12 @@ def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | No
                 sock.send(frame, flags, copy=True)
                 return
             except zmq.Again:
-                if shared:
+                if shared:  # the socket as the others expect it, before they may take it
+                    sock.setsockopt(zmq.SNDTIMEO, -1)
                     turn.let_others()
     finally:
-        sock.setsockopt(zmq.SNDTIMEO, -1)
+        if not shared or turn.held:  # (not taken back: another thread's socket now)
+            sock.setsockopt(zmq.SNDTIMEO, -1)
 
 
 class _Turn:
