@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import psutil
@@ -238,6 +239,28 @@ def test_a_non_blocking_call_fails_by_itself_at_its_timeout(ex):
         slow.result()
     assert time.monotonic() - t0 < 1.2
     assert ex.collective_rpc("rank_value", args=(8,), timeout=10) == [80, 81]
+
+
+def test_a_non_blocking_call_times_out_while_a_blocking_caller_waits_for_ever(ex):
+    """A blocking call without a timeout holds the replies while it waits; a
+    non-blocking call queued before it still fails at its own timeout. Sabotage:
+    ``_complete_head(deadline)`` in one piece in ``_complete_until`` (as before): the
+    future is not done until the worker answers, 2 s later."""
+    slow = ex.collective_rpc("sleep", args=(2.0,), non_block=True, timeout=0.3)
+    t0 = time.monotonic()
+    got: list = []
+    blocking = threading.Thread(target=lambda: got.append(ex.collective_rpc("rank_value", args=(3,))))
+    blocking.start()  # no timeout
+    try:
+        wait_until(lambda: ex._recv_lock._owner == blocking.ident or slow.done(), 5,
+                   "the blocking caller holding the replies")
+        done, _ = concurrent.futures.wait([slow], timeout=5)
+        waited = time.monotonic() - t0
+        assert slow in done and isinstance(slow.exception(), TimeoutError), slow
+        assert waited < 1.2, waited
+    finally:
+        blocking.join(10)
+    assert got == [[30, 31]]
 
 
 def test_a_worker_that_exits_fails_the_executor_with_its_death():

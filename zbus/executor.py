@@ -397,6 +397,10 @@ def reserve_port(host: str) -> int:
     raise ZbusError(f"no free port on {host} in ZBUS_PORT_RANGE={lo_hi[0]}-{lo_hi[1]}")
 
 
+def _sooner(deadline: float | None, other: float) -> float:
+    return other if deadline is None else min(deadline, other)
+
+
 class OwnedLock:
     """A lock that knows the thread holding it. Future callbacks run in the thread
     that completes the future, which may hold the reply or send lock: a callback
@@ -757,10 +761,12 @@ class MultiprocExecutor(Executor):
             raise TimeoutError("collective_rpc timed out waiting for replies")
         try:
             while not call.done() and self._pending:
-                self._complete_head(deadline)
-        except TimeoutError:
-            self._expire_due()
-            raise
+                try:  # in slices: the non-blocking calls queued meanwhile expire on time
+                    self._complete_head(_sooner(deadline, time.monotonic() + Completer.SLICE_S))
+                except TimeoutError:
+                    self._expire_due()
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
         finally:
             self._recv_lock.release()
         if not call.done():  # no longer pending, never settled: only a shutdown does that
