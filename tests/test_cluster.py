@@ -834,6 +834,26 @@ def test_a_failed_executor_ends_a_node_whose_relay_waits_on_a_stuck_worker():
         assert procs[1].wait(1) == 0
 
 
+def test_a_node_that_gives_up_tells_the_leader_why():
+    """Node 2's agent gets a call it cannot read (here a call in parts that do not
+    fit, on its node topic) and leaves the cluster: the executor fails at once with
+    the node's reason, not a liveness limit later with "no heartbeat". Sabotage: no
+    ``leaving`` message in ``NodeAgent.run``: the error says "no heartbeat"."""
+    from zbus import protocol
+
+    with leader_and_two_followers() as (ex, procs, node2):
+        lead = ex._leader
+        t0 = time.monotonic()
+        assert lead.path.send_control(node_topic(lead.nodes[2].node_id) + TOPIC_RPC + protocol.PARTS,
+                                      ["not", "parts"])
+        assert procs[1].wait(10) == 1
+        wait_until(lambda: ex.failure.error is not None, 10, "the executor failing")
+        error = ex.failure.error
+        print(f"failed {time.monotonic() - t0:.2f} s after the bad call: {error}")
+        assert isinstance(error, zbus.NodeLostError) and error.node_rank == 2, repr(error)
+        assert "malformed call from the leader" in str(error), str(error)
+
+
 @contextlib.contextmanager
 def leader_and_two_followers():
     """A leader and followers 1 and 2, one worker each: (executor, the follower

@@ -526,11 +526,10 @@ def wait_dropped(ex, at_least: int, timeout: float = 20) -> int:
 
 
 def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
-    """Node 2's key sends a reply, a death notice, a heartbeat and a gap report for
-    node 1 (rank 1), and a reply for rank 1 that cannot be decoded (which would
-    become an error reply for that call): all dropped and counted as
-    ``not-owner``; its own heartbeat,
-    sent after them, is not (a stray ``refused`` sent last marks when the leader
+    """Node 2's key sends a reply, a death notice, a heartbeat, a gap report and a
+    leaving notice for node 1 (rank 1), and a reply for rank 1 that cannot be
+    decoded (which would become an error reply for that call): all dropped and
+    counted as ``not-owner``; its own heartbeat, sent after them, is not (a stray ``refused`` sent last marks when the leader
     has read them all: one connection's messages are read in order); the cluster
     serves on. Sabotage: make DataPath._sent_by_owner return True: fails (nothing
     counted as ``not-owner``; the forged "died" fails the executor with
@@ -549,13 +548,13 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
             before = ex._leader.dropped_by
             forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
                   [[1, 10**6, 0, "forged"], bytes.fromhex("9401ce000f424000c1"),  # [1, 10**6, 0, invalid]
-                   ["died", 1, 1, 9], ["hb", 1], ["gap", 1, 1, 5], ["hb", 2],
+                   ["died", 1, 1, 9], ["hb", 1], ["gap", 1, 1, 5], ["leaving", 1, "forged"], ["hb", 2],
                    ["refused", "no-such-node", "a marker"]])
             wait_until(lambda: ex._leader.dropped_by.get("stray-refused", 0) > before.get("stray-refused", 0),
                        20, "the marker after the forged messages counted")
             after = ex._leader.dropped_by
             assert {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)} == {
-                "not-owner": 5, "stray-refused": 1}, after  # node 2's own heartbeat was taken
+                "not-owner": 6, "stray-refused": 1}, after  # node 2's own heartbeat was taken
             ex.check_health()
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
         assert [p.wait(30) for p in procs] == [0, 0]

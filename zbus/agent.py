@@ -201,6 +201,8 @@ class NodeAgent:
             return 1
         except ZbusError as e:
             log.error("%s", e)
+            if self.workers is not None:  # a member: its callers learn why now, not a liveness limit later
+                self._send_to_leader(["leaving", self.node_rank, str(e)[:500]], timeout=0.2)
             return 1
         finally:
             self._close()

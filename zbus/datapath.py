@@ -515,7 +515,7 @@ class DataPath:
             return kind in ranks
         if type(kind) is not str:
             return True  # dropped by the control handler
-        if kind in ("hb", "gap"):
+        if kind in ("hb", "gap", "leaving"):
             return len(msg) > 1 and type(msg[1]) is int and msg[1] == node_rank
         if kind == "died":
             return len(msg) > 2 and type(msg[1]) is type(msg[2]) is int and msg[1] == node_rank \

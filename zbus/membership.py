@@ -363,6 +363,10 @@ class Membership:
                 and type(msg[3]) in (int, type(None)) and msg[1] in self.nodes:
             node = self.nodes[msg[1]]
             self.failure.fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
+        elif kind == "leaving" and len(msg) == 3 and type(msg[1]) is int and msg[1] in self.nodes:
+            node = self.nodes[msg[1]]  # its agent gave up, and says why
+            reason = msg[2][:500] if type(msg[2]) is str else brief(msg[2])
+            self.failure.fail(NodeLostError(node.node_rank, node.host, f"it left: {reason}"))
         elif kind == "join" and len(msg) == 3:
             self._on_join(msg[1], msg[2])
         elif kind == "subscribed" and len(msg) == 2 and type(msg[1]) is str:
