@@ -531,9 +531,9 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     decoded (which would become an error reply for that call): all dropped and
     counted as ``not-owner``; its own heartbeat, sent after them, is not (a stray
     ``refused`` sent last marks when the leader has read them all: one
-    connection's messages are read in order); the cluster serves on. Sabotage: make DataPath._sent_by_owner return True: fails (nothing
-    counted as ``not-owner``; the forged "died" fails the executor with
-    WorkerDiedError). Return an undecodable reply before the key's check in
+    connection's messages are read in order); the cluster serves on. Sabotage:
+    make DataPath._sent_by_owner return True: fails (nothing counted as
+    ``not-owner``; the forged "died" fails the executor with WorkerDiedError). Return an undecodable reply before the key's check in
     ``DataPath._recv_control`` (as before): it counts as ``unexpected-reply``."""
     from zbus.curve import NodeCurve
 
