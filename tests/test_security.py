@@ -533,7 +533,8 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     ``refused`` sent last marks when the leader has read them all: one
     connection's messages are read in order); the cluster serves on. Sabotage:
     make DataPath._sent_by_owner return True: fails (nothing counted as
-    ``not-owner``; the forged "died" fails the executor with WorkerDiedError). Return an undecodable reply before the key's check in
+    ``not-owner``; the forged "died" fails the executor with WorkerDiedError).
+    Return an undecodable reply before the key's check in
     ``DataPath._recv_control`` (as before): it counts as ``unexpected-reply``."""
     from zbus.curve import NodeCurve
 
