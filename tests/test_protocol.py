@@ -87,8 +87,10 @@ def test_bytes_that_are_not_msgpack_are_refused_with_msgpacks_reason(frame):
     """Sabotage: ``envelope = None`` or ``msgpack.unpackb(None, ...)`` (every frame
     refused, or none parsed), ``CodecError(None)`` or ``type(None).__name__`` in the
     message → fails."""
-    try:
-        msgpack.unpackb(frame)
+    try:  # (with the limits read_envelope sets: no length past the frame's end)
+        n = len(frame)
+        msgpack.unpackb(frame, max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2,
+                        max_ext_len=n)
     except Exception as err:  # noqa: BLE001 - what msgpack says about this frame
         expected = f"cannot decode the envelope: {type(err).__name__}: {err}"
     else:

@@ -51,21 +51,30 @@ def call_envelope(seq: int, method: str, reply_rank: int, n_payload: int, answer
 
 def read_envelope(frame: Any) -> list:
     """``[STOP]`` or ``[CALL, seq, method, reply_rank, n_payload, answered]`` from a
-    message's first frame; :class:`CodecError` for anything else. Bounded: no
-    array longer than an envelope's (msgpack allocates a declared length before
-    it reads the items), no map, no extension, and a short repr of what is refused."""
+    message's first frame; :class:`CodecError` for anything else. Bounded: at most
+    ``MAX_ENVELOPE`` bytes, and no declared length past the frame's end (msgpack
+    allocates a declared array before it reads the items)."""
+    n = len(frame)
     try:
-        if len(frame) > MAX_ENVELOPE:
-            raise ValueError(f"{len(frame)} bytes, at most {MAX_ENVELOPE}")
-        envelope = msgpack.unpackb(frame, raw=False, use_list=True, max_array_len=6, max_map_len=0,
-                                   max_ext_len=0)
+        if n > MAX_ENVELOPE:
+            raise ValueError(f"{n} bytes, at most {MAX_ENVELOPE}")
+        envelope = msgpack.unpackb(frame, raw=False, use_list=True, max_str_len=n, max_bin_len=n,
+                                   max_array_len=n, max_map_len=n // 2, max_ext_len=n)
     except Exception as e:  # noqa: BLE001 - msgpack raises several types on bad input
         raise CodecError(f"cannot decode the envelope: {type(e).__name__}: {e}") from None
     if envelope != [STOP] and not (type(envelope) is list and len(envelope) == 6 and envelope[0] == CALL
                                    and type(envelope[1]) is type(envelope[3]) is type(envelope[4])
                                    is type(envelope[5]) is int):
-        raise CodecError(f"not a call envelope: {reprlib.repr(envelope)}")
+        raise CodecError(f"not a call envelope: {_named(envelope)}")
     return envelope
+
+
+def _named(envelope: Any) -> str:
+    """At most 100 characters of what was refused."""
+    try:
+        return str(envelope)[:100]
+    except RecursionError:  # lists nested deeper than str goes
+        return reprlib.repr(envelope)[:100]
 
 
 # CurveZMQ encrypts one message part at a time, each with a copy in and out: a
