@@ -7,6 +7,7 @@ import os
 import random
 import socket
 import stat
+import threading
 import time
 
 import msgpack
@@ -291,6 +292,29 @@ def test_follower_exposes_no_port():
         end_process(proc)
 
 
+class LeaderThread(threading.Thread):
+    """A 2-node leader on ``port``, started in a thread (its start returns once the
+    cluster formed): ``ex`` once formed, else ``error``."""
+
+    def __init__(self, port: int, join_timeout: float) -> None:
+        super().__init__(daemon=True)
+        self.port, self.join_timeout = port, join_timeout
+        self.ex: zbus.Executor | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.ex = zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                                    master_port=self.port, join_timeout=self.join_timeout)
+        except BaseException as e:  # noqa: BLE001 - the test fails on it
+            self.error = e
+
+    def close(self) -> None:
+        self.join(90)
+        if self.ex is not None:
+            self.ex.shutdown()
+
+
 def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     """Random messages of every shape (joins with random fields among them) on the
     leader's PULL port while it waits for its node: none may crash or block it,
@@ -305,9 +329,6 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     breaks every later welcome: the node never joins); have ``codec.encode``
     raise TypeError instead of CodecError for what it cannot encode, and fuzz a
     set → fails (the fuzz thread died after 8 messages; it was only a warning)."""
-    import random
-    import threading
-
     rng = random.Random(11)
 
     def junk(depth=0):
@@ -348,20 +369,12 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
         except BaseException as e:  # noqa: BLE001 - the test fails on it below
             fuzz["error"] = e
 
-    def lead():
-        try:
-            made["ex"] = zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1,
-                                       master_addr="127.0.0.1", master_port=port, join_timeout=60)
-        except BaseException as e:  # noqa: BLE001 - the test fails on it below
-            made["error"] = e
-
     # the node starts only once the fuzz reaches the leader's port, so that it joins
     # during the fuzz (a connection still retrying at formation tested nothing)
     connected = push.get_monitor_socket(zmq.EVENT_CONNECTED)
-    made: dict = {}
     t = threading.Thread(target=run_fuzz)
     t.start()
-    leading = threading.Thread(target=lead)
+    leading = LeaderThread(port, join_timeout=60)
     proc = None
     try:
         wait_until(lambda: fuzz["tries"] > 0 or fuzz["error"], 30, "the fuzz thread sending")
@@ -369,8 +382,8 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
         assert connected.poll(30_000), "the fuzz never reached the leader's port"
         proc = follower(port, "--node-rank", "1")
         leading.join(90)
-        assert "ex" in made, made
-        with made["ex"] as ex:
+        assert leading.ex is not None, leading.error
+        with leading.ex as ex:
             stop.set()
             t.join(5)
             assert not t.is_alive() and fuzz["error"] is None, fuzz
@@ -384,10 +397,8 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
     finally:
         stop.set()
         t.join(5)
-        if leading.is_alive():
-            leading.join(90)
-        if "ex" in made:
-            made["ex"].shutdown()
+        if leading.is_alive() or leading.ex is not None:
+            leading.close()
         push.disable_monitor()
         connected.close(linger=0)
         ctx.destroy(linger=0)
@@ -402,20 +413,9 @@ def test_a_join_whose_rank_no_comparison_can_judge_does_not_stop_formation():
     ``_join_types`` check in ``Membership._on_join``: every welcome check raises on
     ``rank in (None, -1)``, the poisoned join is never removed, and the real node is
     never welcomed (the executor's start times out)."""
-    import threading
-
     port = free_port_pair()
     ctx = zmq.Context()
-    made: dict = {}
-
-    def lead():
-        try:
-            made["ex"] = zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1,
-                                       master_addr="127.0.0.1", master_port=port, join_timeout=25)
-        except BaseException as e:  # noqa: BLE001 - the test fails on it below
-            made["error"] = e
-
-    leading = threading.Thread(target=lead)
+    leading = LeaderThread(port, join_timeout=25)
     leading.start()
     proc = None
     try:
@@ -437,15 +437,13 @@ def test_a_join_whose_rank_no_comparison_can_judge_does_not_stop_formation():
         # (on loopback both arrive long before the node's interpreter has started)
         proc = follower(port, "--node-rank", "1")
         leading.join(60)
-        assert "ex" in made, made
-        with made["ex"] as ex:
+        assert leading.ex is not None, leading.error
+        with leading.ex as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
             assert ex._leader.dropped_by.get("bad-join") == 1, ex._leader.dropped_by
             assert "handler" not in ex._leader.dropped_by
     finally:
-        leading.join(60)
-        if "ex" in made:
-            made["ex"].shutdown()
+        leading.close()
         ctx.destroy(linger=0)
         if proc is not None:
             end_process(proc)
