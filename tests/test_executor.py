@@ -570,6 +570,42 @@ def test_workers_orphaned_inside_a_call_run_their_atexit_hooks(tmp_path):
         end_process(proc)
 
 
+def test_orphaned_workers_run_on_exit_before_atexit_hooks_that_hang(tmp_path):
+    """What a worker names with ``zbus.worker.on_exit`` (vLLM's CPU all-reduce
+    segments) is removed when the driver is SIGKILLed, even behind an ``atexit``
+    hook that hangs. Sabotage: ``on_exit`` as a plain ``atexit`` hook: the hanging
+    hook runs first, the worker is ended after ORPHAN_EXIT_S, no mark."""
+    mark = tmp_path / "exit"
+    proc = spawn_python(
+        "import zbus, workers, time, sys\n"
+        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
+        "ex.collective_rpc('mark_on_exit', args=(sys.argv[1],))\n"
+        "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
+        "time.sleep(60)\n", str(mark), stdout=subprocess.PIPE)
+    try:
+        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert psutil.wait_procs(workers, timeout=10)[1] == []
+        assert all(os.path.exists(f"{mark}.{r}") for r in (0, 1))
+    finally:
+        end_process(proc)
+
+
+def test_stopped_workers_run_on_exit_and_atexit_hooks_and_exit_0(tmp_path):
+    """A stopped worker ends with ``os._exit``, after its clean-up. Sabotage: no
+    ``on_exit`` run at the end of the worker's loop, or no ``atexit`` hooks run
+    before ``os._exit``: no mark."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    with ex:
+        ex.collective_rpc("mark_on_exit", args=(str(tmp_path / "exit"), False))
+        ex.collective_rpc("mark_at_exit", args=(str(tmp_path / "atexit"),))
+        procs = list(ex._workers.procs)
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all(os.path.exists(tmp_path / f"{what}.{r}") for what in ("exit", "atexit") for r in (0, 1))
+
+
 def test_torch_distributed_all_reduce_across_workers():
     pytest.importorskip("torch")
     with zbus.Executor(workers.DistWorker, nproc_per_node=2, startup_timeout=120) as ex:
@@ -653,8 +689,10 @@ def test_worker_message_handling_byte_for_byte():
     for payload in (5, None, [1, 2, 3], ((), []), ((), {1: 2}), [(), {}]):  # decodable, not (args, kwargs)
         why = getattr(codec.decode(call("echo", codec.encode(payload)))[2], "message", "")
         assert why.startswith("cannot decode the arguments of 'echo': the arguments are not"), why
+    assert worker.replying
     envelope = codec.encode([protocol.CALL, 8, "echo", 1, 1, 7])  # only rank 1 replies
     assert handle(worker, [*envelope, protocol.NO_ARGS], replies, False) and not sent
+    assert not worker.replying  # the method could tell
     assert set(acks) == {6, 7} and acks[-1] == 7
     assert not handle(worker, codec.encode([protocol.STOP]), replies, False)
     for bad in ([b"\xc1"], [b"\x93\x01\x02\x03"], [b"\xd4\x63\x00"], codec.encode({"a": 1}),

@@ -57,6 +57,8 @@ class Engine:
                 event = json.loads(line)
                 if event["event"] in (name, "error"):
                     return event
+            elif self.log is not None:  # vLLM logs to stdout: its shutdown steps, say
+                self.log.write(line)
         raise AssertionError(f"no {name!r} within {timeout} s")
 
     def _tail(self) -> str:
@@ -273,6 +275,31 @@ def test_cores_are_planned_for_the_workers_of_this_node(monkeypatch, wire):
     assert config.parallel_config.nnodes == 1  # the engine's own configuration is untouched
 
 
+def test_only_the_rank_that_replies_makes_its_asynchronous_output_ready(wire):
+    """Under async scheduling a step's output is made ready (a copy from the device)
+    by the output thread; vLLM's own workers do that only on the rank whose reply
+    the engine takes. Sabotage: no ``replying`` check in ``VllmWorker._output``: the
+    other TP ranks copy their output every step."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    from zbus.vllm.worker import VllmWorker
+
+    class Output(AsyncModelRunnerOutput):
+        made = 0
+
+        def get_output(self):
+            Output.made += 1
+            return "ready"
+
+    worker = VllmWorker.__new__(VllmWorker)  # (no vLLM worker inside: only the output's path)
+    worker._outputs = None
+    worker.replying = False
+    assert worker._output(Output()) is None and Output.made == 0
+    worker.replying = True
+    assert worker._output(Output()).result(timeout=10) == "ready" and Output.made == 1
+    worker._outputs.shutdown()
+
+
 def test_the_executor_says_it_failed_for_good():
     """vLLM's fault tolerance asks ``is_failed`` to tell a dead engine from one it
     may recover: a zbus failure is for good. Sabotage: no ``is_failed`` (vLLM
@@ -296,14 +323,18 @@ def test_the_executor_says_it_failed_for_good():
 
 
 def generate(backend: str, *args: str, tmp_path, **kwargs) -> dict:
+    """The engine's tokens, once it and every process it started have ended (vLLM
+    SIGKILLs an engine core slow to end: its orphaned workers then clean up)."""
     with open(tmp_path / f"{backend.replace('.', '_')}.log", "w") as log:
         engine = Engine(backend, *args, log=log, **kwargs)
         try:
             engine.event("ready")
+            everyone = engine.descendants()
             out = engine.event("tokens")
             assert out["event"] == "tokens", out
             assert engine.event("done")["event"] == "done"
             assert engine.proc.wait(60) == 0
+            assert psutil.wait_procs(everyone, timeout=20)[1] == [], engine._tail()
             return out
         finally:
             engine.close()

@@ -11,6 +11,7 @@ import time
 
 import zbus
 import zbus.executor
+import zbus.worker
 
 
 class EchoWorker(zbus.Worker):
@@ -71,6 +72,13 @@ class EchoWorker(zbus.Worker):
     def mark_at_exit(self, path):
         """Make ``path.<rank>`` when this process runs its ``atexit`` hooks."""
         atexit.register(lambda: open(f"{path}.{self.rank}", "w").close())
+
+    def mark_on_exit(self, path, hang_at_exit=True):
+        """Make ``path.<rank>`` by ``zbus.worker.on_exit``, behind an ``atexit`` hook
+        that hangs (as one waiting on a peer gone with the driver)."""
+        zbus.worker.on_exit(lambda: open(f"{path}.{self.rank}", "w").close())
+        if hang_at_exit:
+            atexit.register(time.sleep, 60)
 
     def stubborn_sleep(self, seconds):
         """Sleep deaf to SIGTERM, as a worker stuck in native code: it ends by SIGKILL,

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from . import protocol, shm
 from .cluster import brief
@@ -37,6 +37,10 @@ class Worker:
     Attributes set before ``__init__`` runs: ``rank``, ``local_rank``,
     ``world_size``, ``local_world_size``, ``node_rank`` (the torchrun variables of
     the same names hold the same values).
+
+    ``replying``, during a call: whether the driver takes this worker's result
+    (False when the call's ``unique_reply_rank`` names another rank), so a method
+    may skip making one.
     """
 
     rank: int = 0
@@ -44,6 +48,7 @@ class Worker:
     world_size: int = 1
     local_world_size: int = 1
     node_rank: int = 0
+    replying: bool = True
 
     def rpc_self(self) -> Any:
         """What a function called by import path (``"pkg.mod:func"``) gets as its
@@ -179,6 +184,7 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
         return False
     _, seq, method, reply_rank, n_payload, answered = envelope
     replies.ack(answered)
+    replying = worker.replying = reply_rank < 0 or reply_rank == worker.rank
     try:
         if n_payload == 1 and len(frames) == 2 and frames[1] == protocol.NO_ARGS:
             args, kwargs = (), {}
@@ -188,7 +194,7 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
         result, status = ZbusError(f"cannot decode the arguments of {method!r}: {e}"), protocol.REFUSED
     else:
         result, status = run_call(worker, method, args, kwargs, allow_import)
-    if reply_rank < 0 or reply_rank == worker.rank:
+    if replying:
         replies.send(seq, result, status)
     return True
 
@@ -201,6 +207,31 @@ def _arguments(payload: Any) -> tuple[tuple | list, dict]:
     return payload
 
 
+# What must not outlive this worker process, removed at its end: see on_exit.
+_at_exit: list[Callable[[], None]] = []
+
+
+def on_exit(remove: Callable[[], None]) -> None:
+    """Run ``remove`` (once) when this worker process ends: told to stop, stopped by
+    SIGTERM, failed, or orphaned by its driver. For what must not outlive a run,
+    such as a library's shared-memory names. Orphaned, it runs before the
+    process's ``atexit`` hooks, which may wait on a peer that died with the driver
+    (and are given :data:`ORPHAN_EXIT_S`)."""
+    _at_exit.append(remove)
+
+
+def _run_on_exit() -> None:
+    while _at_exit:
+        try:  # (pop: the main thread and the orphan watcher may both get here)
+            remove = _at_exit.pop()
+        except IndexError:
+            return
+        try:
+            remove()
+        except Exception:  # noqa: BLE001 - the others still run
+            log.exception("clean-up at exit failed")
+
+
 # How long an orphaned worker gives its ``atexit`` hooks: its main thread may be stuck
 # (in a collective with a dead peer, say), so they run on the watching thread.
 ORPHAN_EXIT_S = 1.0
@@ -208,9 +239,9 @@ ORPHAN_EXIT_S = 1.0
 
 def _watch_death_pipe(fd: int, segments: list[str]) -> None:
     """Block until the driver's end of the pipe closes (it exited, even by SIGKILL),
-    then remove the driver's segments, run this process's ``atexit`` hooks
-    (:data:`ORPHAN_EXIT_S` at most: a library's own clean-up, such as its shared
-    memory, still happens) and end this process."""
+    then remove the driver's segments and what :func:`on_exit` names, run this
+    process's ``atexit`` hooks (:data:`ORPHAN_EXIT_S` at most: a library's own
+    clean-up still happens) and end this process."""
     try:
         while os.read(fd, 1):
             pass
@@ -218,6 +249,7 @@ def _watch_death_pipe(fd: int, segments: list[str]) -> None:
         pass
     for name in segments:
         shm.unlink(name)
+    _run_on_exit()
     log.error("parent process (driver or node agent) is gone: exiting")
     hooks = threading.Thread(target=atexit._run_exitfuncs, name="zbus-atexit", daemon=True)
     hooks.start()
@@ -268,6 +300,22 @@ def main() -> None:
 
         serve(worker, bcast.recv, put, spec.get("allow_import", True), getattr(out, "ack", None))
     finally:
+        _run_on_exit()
         bcast.close()
         out.close()
+    _end_stopped()
+
+
+def _end_stopped() -> NoReturn:
+    """End a worker told to stop: its ``atexit`` hooks run and its output is
+    flushed, then ``os._exit`` (as multiprocessing's forked children end), without
+    finalizing every object: with torch and vLLM loaded that takes over a second,
+    inside the few seconds vLLM gives its engine to end."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 

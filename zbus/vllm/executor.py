@@ -129,16 +129,16 @@ class ZbusExecutor(VllmExecutor):
         if zbus is None:
             return
         started = time.monotonic()
+        # Names first (mappings stay valid): vLLM gives this process a few seconds to
+        # end, then SIGKILLs it. Each worker removes them too as it ends (on_exit),
+        # orphaned or not.
+        remove_cpu_shm(zbus.torch_port, 0)
         if zbus.failure.error is None:  # failed: no worker may be there to answer
             try:
                 zbus.collective_rpc("shutdown", timeout=10)
             except (ZbusError, TimeoutError) as e:
                 log.warning("workers' shutdown: %s", e)
         log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
-        # Names first (mappings stay valid): a killed worker cannot remove its own. Each
-        # worker that stops, or is orphaned by vLLM killing this process, removes them
-        # too (an atexit hook).
-        remove_cpu_shm(zbus.torch_port, 0)
         zbus.shutdown()
         log.info("zbus shut down in %.2f s", time.monotonic() - started)
 

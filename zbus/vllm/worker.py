@@ -3,14 +3,14 @@ worker process, set up as vLLM's own multiprocess executor sets it up."""
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
+import functools
 import os
 from typing import Any
 
 from ..cluster import resolve_ip, route_to
 from ..errors import ZbusError
-from ..worker import Worker
+from ..worker import Worker, on_exit
 from .wire import load_wire_modules
 
 load_wire_modules()
@@ -48,9 +48,9 @@ class VllmWorker(Worker):
             "is_driver_worker": self.rank % tp == 0,
         }
         self.wrapper.init_worker(kwargs)
-        # at a clean exit, a stop by signal, or an orphaned exit; by every worker, as
-        # any of them may be the one killed
-        atexit.register(remove_cpu_shm, os.environ["MASTER_PORT"], self.node_rank)
+        # by every worker, as any of them may be the one killed; before vLLM's own
+        # atexit hooks, which may wait on a peer gone with the driver
+        on_exit(functools.partial(remove_cpu_shm, os.environ["MASTER_PORT"], self.node_rank))
 
     def execute_model(self, scheduler_output: Any) -> Any:
         return self._output(self.wrapper.execute_model(scheduler_output))
@@ -60,9 +60,12 @@ class VllmWorker(Worker):
 
     def _output(self, output: Any) -> Any:
         """An asynchronous output is replied to once it is ready, without holding
-        up the next call (zbus replies in call order)."""
+        up the next call (zbus replies in call order). A rank whose reply the
+        engine does not take gets none ready (as vLLM's own workers: no copy)."""
         from vllm.v1.outputs import AsyncModelRunnerOutput
 
+        if not self.replying:
+            return None
         if isinstance(output, AsyncModelRunnerOutput):
             if self._outputs is None:  # (async scheduling) one thread keeps them in order
                 self._outputs = concurrent.futures.ThreadPoolExecutor(1, "zbus-vllm-output")
