@@ -92,3 +92,16 @@ def test_paired_ratio_and_its_interval():
     ratio, low, high = paired_ratio(a, [1.0] * 8)
     assert low <= ratio <= high and low >= 0.9 and high <= 1.3 and low < high
     assert paired_ratio(a, [1.0] * 8) == (ratio, low, high)  # seeded
+
+
+def test_a_failed_benchmark_run_says_why_from_both_streams():
+    """vLLM logs its errors to stdout: a failed run's message carries them.
+    Sabotage: stderr's tail alone (the root cause of an engine's death is lost)."""
+    from zbus.bench import _parse_rows
+
+    out = subprocess.CompletedProcess(["x"], 1, stdout="(EngineCore) ERROR 12-04 boom: the cause\nnoise\n",
+                                      stderr="EngineDeadError: see above")
+    with pytest.raises(RuntimeError) as e:
+        _parse_rows(out)
+    assert "boom: the cause" in str(e.value) and "EngineDeadError" in str(e.value)
+    assert "noise" not in str(e.value)

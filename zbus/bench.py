@@ -600,8 +600,9 @@ def bench_curve(seconds: float) -> list[Row]:
 
 
 def _parse_rows(out: subprocess.CompletedProcess) -> list[Row]:
-    if out.returncode != 0:
-        raise RuntimeError(f"nodes benchmark failed:\n{out.stderr[-3000:]}")
+    if out.returncode != 0:  # (vLLM logs its errors to stdout)
+        errors = "\n".join(line for line in out.stdout.splitlines() if " ERROR " in line)
+        raise RuntimeError(f"benchmark failed:\n{errors[-3000:]}\n{out.stderr[-3000:]}")
     return [Row(**json.loads(line)) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
