@@ -383,6 +383,27 @@ def test_worker_killed_during_generation_fails_the_engine_within_the_bound(tmp_p
     assert zbus_segments() - before == set()
 
 
+def test_an_engine_process_killed_by_vllm_leaves_no_segment(tmp_path):
+    """vLLM SIGKILLs an engine's process that is not gone 5 s after SIGTERM: its
+    orphaned workers remove zbus's rings and vLLM's CPU all-reduce segments, and
+    end. Sabotage: no ``on_exit`` run by an orphan (the all-reduce names stay)."""
+    before = zbus_segments()
+    with open(tmp_path / "engine.log", "w") as log:
+        engine = Engine(ZBUS, "--tp", "2", "--tokens", "200", "--hold", log=log)
+        try:
+            engine.event("ready")
+            assert engine.event("tokens")["event"] == "tokens"
+            workers = [p for p in engine.descendants() if "zbus.worker" in " ".join(p.cmdline())]
+            assert len(workers) == 2, [p.cmdline() for p in workers]
+            made = zbus_segments() - before
+            assert any("?zbus_node=" in n for n in made) and any(n.startswith("zbus-") for n in made)
+            workers[0].parent().send_signal(signal.SIGKILL)  # the engine's process
+            assert psutil.wait_procs(workers, timeout=15)[1] == []
+            assert zbus_segments() - before == set()
+        finally:
+            engine.close()
+
+
 NETNS = unavailable()
 
 
