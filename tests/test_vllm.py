@@ -348,12 +348,17 @@ def mp_tokens(tmp_path_factory) -> list[list[int]]:
 
 def test_tp2_on_one_node_gives_the_tokens_of_vllms_own_executor(mp_tokens, tmp_path):
     """Sabotage: a scheduler output that reaches the workers changed (a field
-    dropped by the wire) gives other tokens or fails the engine."""
+    dropped by the wire) gives other tokens or fails the engine; a worker shutdown
+    without vLLM's parallel groups destroyed leaves their queue's segment to
+    Python's resource tracker, which says so."""
     before = zbus_segments()
     out = generate(ZBUS, "--tp", "2", tmp_path=tmp_path)
     assert out["tokens"] == mp_tokens
     assert len(mp_tokens) == 4 and all(len(t) == 16 for t in mp_tokens)
     assert zbus_segments() - before == set()
+    # vLLM's parallel groups were destroyed: their shared-memory queue was not left
+    # to Python's resource tracker
+    assert "leaked shared_memory" not in (tmp_path / f"{ZBUS.replace('.', '_')}.log").read_text()
 
 
 def test_worker_killed_during_generation_fails_the_engine_within_the_bound(tmp_path):

@@ -58,6 +58,17 @@ class VllmWorker(Worker):
     def sample_tokens(self, grammar_output: Any) -> Any:
         return self._output(self.wrapper.sample_tokens(grammar_output))
 
+    def shutdown(self) -> None:
+        """vLLM's worker shutdown, then its parallel groups (their shared-memory
+        queues with them), as vLLM's own worker processes end."""
+        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+        self.wrapper.shutdown()
+        if self._outputs is not None:
+            self._outputs.shutdown()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
     def _output(self, output: Any) -> Any:
         """An asynchronous output is replied to once it is ready, without holding
         up the next call (zbus replies in call order). A rank whose reply the
