@@ -593,6 +593,29 @@ def test_orphaned_workers_run_on_exit_before_atexit_hooks_that_hang(tmp_path):
         end_process(proc)
 
 
+def test_atexit_hooks_run_once_when_the_driver_dies_while_a_worker_ends(tmp_path):
+    """The driver is SIGKILLed while its stopped workers run their ``atexit`` hooks:
+    the orphan watcher leaves the hooks to the main thread. Sabotage: the watcher
+    runs them too (each hook twice, at once)."""
+    mark = tmp_path / "hooks"
+    proc = spawn_python(
+        "import zbus, workers, sys\n"
+        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
+        "ex.collective_rpc('count_at_exit', args=(sys.argv[1], 3))\n"
+        "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
+        "ex.shutdown()\n", str(mark), stdout=subprocess.PIPE)
+    try:
+        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2
+        wait_until(lambda: all(os.path.exists(f"{mark}.{r}") for r in (0, 1)), 30, "hooks begun")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert psutil.wait_procs(workers, timeout=10)[1] == []
+        assert [open(f"{mark}.{r}").read() for r in (0, 1)] == ["ran\n", "ran\n"]
+    finally:
+        end_process(proc)
+
+
 def test_stopped_workers_run_on_exit_and_atexit_hooks_and_exit_0(tmp_path):
     """A stopped worker ends with ``os._exit``, after its clean-up. Sabotage: no
     ``on_exit`` run at the end of the worker's loop, or no ``atexit`` hooks run
@@ -604,6 +627,19 @@ def test_stopped_workers_run_on_exit_and_atexit_hooks_and_exit_0(tmp_path):
         procs = list(ex._workers.procs)
     assert [p.returncode for p in procs] == [0, 0]
     assert all(os.path.exists(tmp_path / f"{what}.{r}") for what in ("exit", "atexit") for r in (0, 1))
+
+
+def test_a_clean_up_interrupted_by_sigterm_still_lets_the_others_run(tmp_path):
+    """SIGTERM's handler raises SystemExit wherever the main thread is, a clean-up
+    at exit included: the others still run, then the process exits with its code.
+    Sabotage: only ``Exception`` caught around each clean-up (the rest skipped)."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=1)
+    with ex:
+        ex.collective_rpc("mark_on_exit", args=(str(tmp_path / "exit"), False))
+        ex.collective_rpc("exit_in_on_exit", args=(143,))  # runs first: registered last
+        procs = list(ex._workers.procs)
+    assert [p.returncode for p in procs] == [143]
+    assert os.path.exists(tmp_path / "exit.0")
 
 
 def test_torch_distributed_all_reduce_across_workers():

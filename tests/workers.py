@@ -80,6 +80,20 @@ class EchoWorker(zbus.Worker):
         if hang_at_exit:
             atexit.register(time.sleep, 60)
 
+    def exit_in_on_exit(self, code):
+        """A clean-up at exit interrupted as by SIGTERM's handler (SystemExit)."""
+        def interrupted():
+            raise SystemExit(code)
+        zbus.worker.on_exit(interrupted)
+
+    def count_at_exit(self, path, seconds):
+        """An ``atexit`` hook that adds a line to ``path.<rank>``, then takes ``seconds``."""
+        def hook():
+            with open(f"{path}.{self.rank}", "a") as f:
+                f.write("ran\n")
+            time.sleep(seconds)
+        atexit.register(hook)
+
     def stubborn_sleep(self, seconds):
         """Sleep deaf to SIGTERM, as a worker stuck in native code: it ends by SIGKILL,
         without closing its rings."""

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable, NoReturn
 
 from . import protocol, shm
@@ -209,27 +210,40 @@ def _arguments(payload: Any) -> tuple[tuple | list, dict]:
 
 # What must not outlive this worker process, removed at its end: see on_exit.
 _at_exit: list[Callable[[], None]] = []
+_removing = threading.Lock()  # held while _at_exit drains
+# Held by the thread that ends this process (the main thread once stopped, or the
+# orphan watcher): the other leaves the atexit hooks to it, which must not run twice.
+_ending = threading.Lock()
 
 
 def on_exit(remove: Callable[[], None]) -> None:
-    """Run ``remove`` (once) when this worker process ends: told to stop, stopped by
-    SIGTERM, failed, or orphaned by its driver. For what must not outlive a run,
-    such as a library's shared-memory names. Orphaned, it runs before the
-    process's ``atexit`` hooks, which may wait on a peer that died with the driver
-    (and are given :data:`ORPHAN_EXIT_S`)."""
+    """Run ``remove`` (once) when this worker process ends: told to stop, failed,
+    stopped by SIGTERM (once its handler runs), or orphaned by its driver. For what
+    must not outlive a run, such as a library's shared-memory names. Orphaned, it
+    runs before the process's ``atexit`` hooks, which may wait on a peer that died
+    with the driver (and are given :data:`ORPHAN_EXIT_S`). In a worker process
+    only (an ``inproc`` executor runs none)."""
     _at_exit.append(remove)
 
 
-def _run_on_exit() -> None:
-    while _at_exit:
-        try:  # (pop: the main thread and the orphan watcher may both get here)
-            remove = _at_exit.pop()
-        except IndexError:
-            return
-        try:
-            remove()
-        except Exception:  # noqa: BLE001 - the others still run
-            log.exception("clean-up at exit failed")
+def _run_on_exit(timeout: float = -1) -> None:
+    """Drain :func:`on_exit`'s list; a SIGTERM's SystemExit raised inside a
+    clean-up is raised again once the others ran."""
+    if not _removing.acquire(timeout=timeout):
+        return
+    interrupted: BaseException | None = None
+    try:
+        while _at_exit:
+            try:
+                _at_exit.pop()()
+            except Exception:  # noqa: BLE001 - the others still run
+                log.exception("clean-up at exit failed")
+            except BaseException as e:  # SIGTERM's SystemExit: the others first
+                interrupted = interrupted or e
+    finally:
+        _removing.release()
+    if interrupted is not None:
+        raise interrupted
 
 
 # How long an orphaned worker gives its ``atexit`` hooks: its main thread may be stuck
@@ -249,11 +263,14 @@ def _watch_death_pipe(fd: int, segments: list[str]) -> None:
         pass
     for name in segments:
         shm.unlink(name)
-    _run_on_exit()
+    _run_on_exit(timeout=ORPHAN_EXIT_S)
     log.error("parent process (driver or node agent) is gone: exiting")
-    hooks = threading.Thread(target=atexit._run_exitfuncs, name="zbus-atexit", daemon=True)
-    hooks.start()
-    hooks.join(ORPHAN_EXIT_S)
+    if _ending.acquire(blocking=False):
+        hooks = threading.Thread(target=atexit._run_exitfuncs, name="zbus-atexit", daemon=True)
+        hooks.start()
+        hooks.join(ORPHAN_EXIT_S)
+    else:  # the main thread is ending, running the hooks: as long as an orphan's
+        time.sleep(ORPHAN_EXIT_S)
     os._exit(3)
 
 
@@ -300,17 +317,21 @@ def main() -> None:
 
         serve(worker, bcast.recv, put, spec.get("allow_import", True), getattr(out, "ack", None))
     finally:
-        _run_on_exit()
-        bcast.close()
-        out.close()
+        try:
+            _run_on_exit()
+        finally:
+            bcast.close()
+            out.close()
     _end_stopped()
 
 
 def _end_stopped() -> NoReturn:
-    """End a worker told to stop: its ``atexit`` hooks run and its output is
-    flushed, then ``os._exit`` (as multiprocessing's forked children end), without
-    finalizing every object: with torch and vLLM loaded that takes over a second,
-    inside the few seconds vLLM gives its engine to end."""
+    """End a worker whose loop ended (told to stop, or its ring closed): its
+    ``atexit`` hooks run and its output is flushed, then ``os._exit`` (as
+    multiprocessing's forked children end), without finalizing every object or
+    waiting for non-daemon threads: with torch and vLLM loaded that takes over a
+    second, inside the few seconds vLLM gives its engine to end."""
+    _ending.acquire()  # (an orphan watcher that holds it ends the process itself)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -63,11 +63,13 @@ class VllmWorker(Worker):
         queues with them), as vLLM's own worker processes end."""
         from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
-        self.wrapper.shutdown()
-        if self._outputs is not None:
-            self._outputs.shutdown()
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        try:
+            if self._outputs is not None:  # the outputs still being made first
+                self._outputs.shutdown()
+            self.wrapper.shutdown()
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
 
     def _output(self, output: Any) -> Any:
         """An asynchronous output is replied to once it is ready, without holding
