@@ -546,25 +546,40 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory():
         end_process(proc)
 
 
+def driver_of_two_workers(setup: str, then: str, *argv: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """A driver process with 2 EchoWorkers (``ex``) that runs the code ``setup``,
+    prints its workers' pids (read here), then runs ``then``."""
+    proc = spawn_python(
+        "import zbus, workers, time, sys\n"
+        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
+        f"{setup}\n"
+        "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
+        f"{then}\n", *argv, stdout=subprocess.PIPE)
+    workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+    assert len(workers) == 2
+    return proc, workers
+
+
+def kill_driver(proc: subprocess.Popen, workers: list[psutil.Process]) -> None:
+    """SIGKILL the driver; its orphaned workers must end within 10 s."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert psutil.wait_procs(workers, timeout=10)[1] == []
+
+
 def test_workers_orphaned_inside_a_call_run_their_atexit_hooks(tmp_path):
     """A library's clean-up registered with ``atexit`` (vLLM's CPU all-reduce removes
     its shared memory so) still runs when the driver is SIGKILLed while the workers
     are busy in a call. Sabotage: an orphaned worker that ends with ``os._exit`` at
     once leaves no mark."""
-    mark = tmp_path / "exit"
-    proc = spawn_python(
-        "import zbus, workers, time, sys\n"
-        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
-        "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
-        "ex.collective_rpc('mark_at_exit', args=(sys.argv[1],))\n"
+    mark = str(tmp_path / "exit")
+    proc, workers = driver_of_two_workers(
+        "ex.collective_rpc('mark_at_exit', args=(sys.argv[1],))",
         "ex.collective_rpc('sleep_marked', args=(sys.argv[1] + '.busy', 60), non_block=True)\n"
-        "time.sleep(60)\n", str(mark), stdout=subprocess.PIPE)
+        "time.sleep(60)", mark)
     try:
-        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
         wait_until(lambda: all(os.path.exists(f"{mark}.busy.{r}") for r in (0, 1)), 60, "calls begun")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        assert psutil.wait_procs(workers, timeout=10)[1] == []
+        kill_driver(proc, workers)
         assert all(os.path.exists(f"{mark}.{r}") for r in (0, 1))
     finally:
         end_process(proc)
@@ -575,19 +590,11 @@ def test_orphaned_workers_run_on_exit_before_atexit_hooks_that_hang(tmp_path):
     segments) is removed when the driver is SIGKILLed, even behind an ``atexit``
     hook that hangs. Sabotage: ``on_exit`` as a plain ``atexit`` hook: the hanging
     hook runs first, the worker is ended after ORPHAN_EXIT_S, no mark."""
-    mark = tmp_path / "exit"
-    proc = spawn_python(
-        "import zbus, workers, time, sys\n"
-        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
-        "ex.collective_rpc('mark_on_exit', args=(sys.argv[1],))\n"
-        "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
-        "time.sleep(60)\n", str(mark), stdout=subprocess.PIPE)
+    mark = str(tmp_path / "exit")
+    proc, workers = driver_of_two_workers(
+        "ex.collective_rpc('mark_on_exit', args=(sys.argv[1],))", "time.sleep(60)", mark)
     try:
-        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
-        assert len(workers) == 2
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        assert psutil.wait_procs(workers, timeout=10)[1] == []
+        kill_driver(proc, workers)
         assert all(os.path.exists(f"{mark}.{r}") for r in (0, 1))
     finally:
         end_process(proc)
@@ -597,20 +604,12 @@ def test_atexit_hooks_run_once_when_the_driver_dies_while_a_worker_ends(tmp_path
     """The driver is SIGKILLed while its stopped workers run their ``atexit`` hooks:
     the orphan watcher leaves the hooks to the main thread. Sabotage: the watcher
     runs them too (each hook twice, at once)."""
-    mark = tmp_path / "hooks"
-    proc = spawn_python(
-        "import zbus, workers, sys\n"
-        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
-        "ex.collective_rpc('count_at_exit', args=(sys.argv[1], 3))\n"
-        "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
-        "ex.shutdown()\n", str(mark), stdout=subprocess.PIPE)
+    mark = str(tmp_path / "hooks")
+    proc, workers = driver_of_two_workers(
+        "ex.collective_rpc('count_at_exit', args=(sys.argv[1], 3))", "ex.shutdown()", mark)
     try:
-        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
-        assert len(workers) == 2
         wait_until(lambda: all(os.path.exists(f"{mark}.{r}") for r in (0, 1)), 30, "hooks begun")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        assert psutil.wait_procs(workers, timeout=10)[1] == []
+        kill_driver(proc, workers)
         assert [open(f"{mark}.{r}").read() for r in (0, 1)] == ["ran\n", "ran\n"]
     finally:
         end_process(proc)

@@ -71,6 +71,14 @@ class Engine:
     def descendants(self) -> list[psutil.Process]:
         return self.proc.children(recursive=True)
 
+    def workers_generating(self) -> list[psutil.Process]:
+        """Once the engine (TP=2 on this host) is generating, its zbus workers."""
+        self.event("ready")
+        assert self.event("tokens")["event"] == "tokens"
+        workers = [p for p in self.descendants() if "zbus.worker" in " ".join(p.cmdline())]
+        assert len(workers) == 2, [p.cmdline() for p in workers]
+        return workers
+
     def close(self) -> None:
         end_process(self.proc, 30)
 
@@ -369,10 +377,7 @@ def test_worker_killed_during_generation_fails_the_engine_within_the_bound(tmp_p
     with open(tmp_path / "engine.log", "w") as log:
         engine = Engine(ZBUS, "--tp", "2", "--tokens", "200", "--hold", log=log)
         try:
-            engine.event("ready")
-            assert engine.event("tokens")["event"] == "tokens"
-            workers = [p for p in engine.descendants() if "zbus.worker" in " ".join(p.cmdline())]
-            assert len(workers) == 2, [p.cmdline() for p in workers]
+            workers = engine.workers_generating()
             everyone = engine.descendants()
             workers[1].send_signal(signal.SIGKILL)
             killed_at = time.time()
@@ -396,10 +401,7 @@ def test_an_engine_process_killed_by_vllm_leaves_no_segment(tmp_path):
     with open(tmp_path / "engine.log", "w") as log:
         engine = Engine(ZBUS, "--tp", "2", "--tokens", "200", "--hold", log=log)
         try:
-            engine.event("ready")
-            assert engine.event("tokens")["event"] == "tokens"
-            workers = [p for p in engine.descendants() if "zbus.worker" in " ".join(p.cmdline())]
-            assert len(workers) == 2, [p.cmdline() for p in workers]
+            workers = engine.workers_generating()
             made = zbus_segments() - before
             assert any("?zbus_node=" in n for n in made) and any(n.startswith("zbus-") for n in made)
             workers[0].parent().send_signal(signal.SIGKILL)  # the engine's process
