@@ -22,16 +22,22 @@ def end_message() -> list[bytes]:
     return [META.pack(END, 0, time.monotonic())]
 
 
-def check_reader(handle_json: str, index: int, delay: float = 0.0) -> None:
+def check_reader(handle_json: str, index: int, delay: float = 0.0, lend: bool = False,
+                 keep_every: int = 0) -> None:
     """Sleep ``delay`` s, then receive until the end message, counting what came:
     messages, those out of sequence (an index other than the one after the last)
     and those whose payload fails its crc. Prints a JSON summary: those counts,
     the digest of all payloads, the worst wake-up latency, and when it woke from
-    the delay (``time.monotonic()``, which the writer's process shares)."""
-    ring = RingReader.attach(json.loads(handle_json), index)
+    the delay (``time.monotonic()``, which the writer's process shares).
+
+    ``lend``: attach as a lending reader, and count the messages that came as
+    loans; ``keep_every``: keep a view of every n-th payload, and check each
+    again at the end (``kept_corrupted``)."""
+    ring = RingReader.attach(json.loads(handle_json), index, lend=lend)
     digest = hashlib.blake2b()
     worst = 0.0
-    received = out_of_sequence = corrupted = 0
+    received = out_of_sequence = corrupted = lent = 0
+    kept: list = []
     try:
         time.sleep(delay)
         woke = time.monotonic()
@@ -42,16 +48,22 @@ def check_reader(handle_json: str, index: int, delay: float = 0.0) -> None:
             if got == END:
                 break
             payload = bytes(frames[1])
+            lent += ring._loan is not None
+            if keep_every and got % keep_every == 0:
+                kept.append((frames[1], crc))
             received += 1
             out_of_sequence += got != expected
             corrupted += zlib.crc32(payload) != crc
             expected = got + 1
             digest.update(payload)
             worst = max(worst, time.monotonic() - sent)
+            del frames
     finally:
         ring.close()
+    kept_corrupted = sum(zlib.crc32(view) != crc for view, crc in kept)
     print(json.dumps({"received": received, "out_of_sequence": out_of_sequence, "corrupted": corrupted,
-                      "digest": digest.hexdigest(), "worst_latency": worst, "woke": woke}))
+                      "digest": digest.hexdigest(), "worst_latency": worst, "woke": woke,
+                      "lent": lent, "kept": len(kept), "kept_corrupted": kept_corrupted}))
 
 
 def idle_reader(handle_json: str, index: int) -> None:

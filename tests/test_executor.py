@@ -171,6 +171,27 @@ def test_tensors_in_and_out_non_contiguous_included(ex):
     assert ex.collective_rpc("tensor_sum", args=(big,))[0] == pytest.approx(big.sum().item(), rel=1e-4)
 
 
+def test_a_large_argument_is_lent_from_the_ring_and_one_kept_keeps_its_bytes(ex):
+    """A worker decodes a 1 MiB tensor where it lies in the call ring (a private
+    mapping of the ring's segment), a 1 KiB one from a copy. Writes to a lent
+    argument stay in that worker. Arguments a worker keeps keep their bytes while
+    40 more MiB of calls pass through the 32 MiB ring. Sabotage: no ``lend=True``
+    in the worker's ``RingReader.attach`` -> the 1 MiB argument is in anonymous
+    memory; no copy in ``Loan.end`` for a kept view -> the kept sums differ."""
+    torch = pytest.importorskip("torch")
+    ring = ex._bcast.ring.name
+    ones = torch.ones(2**18)  # 1 MiB
+    assert ex.collective_rpc("mapping_of_argument", args=(ones,)) == [f"/dev/shm/{ring}"] * 2
+    assert f"/dev/shm/{ring}" not in ex.collective_rpc("mapping_of_argument", args=(torch.ones(256),))
+    assert ex.collective_rpc("add_one_then_sum", args=(ones, 0.3)) == [2.0 * 2**18, 2.0**18]
+    sums = []
+    for i in range(40):
+        t = torch.full((2**18,), float(i))
+        ex.collective_rpc("keep", args=(t,))
+        sums.append(t.sum().item())
+    assert ex.collective_rpc("kept_sums") == [sums, sums]
+
+
 def test_remote_error_carries_details_and_worker_survives(ex):
     with pytest.raises(zbus.RemoteError) as info:
         ex.collective_rpc("boom", args=("bad input",))

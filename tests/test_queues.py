@@ -519,7 +519,7 @@ def test_publish_returns_with_the_callers_buffer_free(ctx, peer):
 
 
 @pytest.mark.timeout(30)
-def test_publish_that_times_out_queued_returns_with_the_callers_buffer_free(ctx, peer):
+def test_publish_that_times_out_queued_returns_with_the_callers_buffer_free(ctx, peer, monkeypatch):
     """The remote side takes a 16 MiB message, the local ring (8 MiB, its reader
     not reading) cannot: ``SendTimeout(queued=True)`` within T + SLACK. The
     caller changes the tensor at once; the ring reader, and the remote
@@ -529,6 +529,7 @@ def test_publish_that_times_out_queued_returns_with_the_callers_buffer_free(ctx,
     ``copy=False``: the subscriber's digest differs. Or, in ``RingWriter.send``,
     keep the unsent rest without copying it (``self._pending = (rest, left)``):
     the ring reader's digest differs."""
+    monkeypatch.setenv("ZBUS_RING", "1Mx8")
     bc, p = stalled_broadcaster(ctx, peer, n_local=1)
     reader = RingReader.attach(bc.handle, 0)
     got: list = []

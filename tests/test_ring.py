@@ -28,11 +28,15 @@ from zbus.ring import RingReader, RingWriter
 NO_RESCUE = {"ZBUS_WAIT_SLICE": "600"}
 
 
-def start_readers(writer: RingWriter, n: int, delays=None, env=None) -> list[psutil.Popen]:
+def start_readers(writer: RingWriter, n: int, delays=None, env=None, lend=(),
+                  keep_every=0) -> list[psutil.Popen]:
+    """``n`` checking readers (ring_procs.check_reader); those in ``lend`` lend, and
+    keep a view of every ``keep_every``-th payload."""
     handle = json.dumps(writer.handle.to_dict())
     delays = delays or [0.0] * n
     return [spawn_python("import sys, ring_procs; ring_procs.check_reader(sys.argv[1], int(sys.argv[2]), "
-                         "float(sys.argv[3]))", handle, str(i), str(delays[i]),
+                         "float(sys.argv[3]), sys.argv[4] == '1', int(sys.argv[5]))", handle, str(i),
+                         str(delays[i]), "1" if i in lend else "0", str(keep_every if i in lend else 0),
                          stdout=subprocess.PIPE, env=env or {}) for i in range(n)]
 
 
@@ -1011,3 +1015,201 @@ def test_a_writer_that_fails_to_start_removes_the_ring_it_made():
     with pytest.raises(OSError, match="no start"):
         Failing.create(1, RingGeometry(256, 4))
     assert own_segments(zbus_segments() - before) == set()
+
+
+# --- lending readers: large messages decoded where they lie ---------------------------
+
+LEND_GEO = RingGeometry(64 * 1024, 16)  # 1 MiB of ring in page-sized chunks
+
+
+def _mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, path) of this process's mapping that holds ``address``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms, _, _, _, *path = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return perms, path[0] if path else ""
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _mappings_of(name: str) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(name) for line in f)
+
+
+def test_a_large_message_that_fits_is_lent_where_it_lies_in_the_ring():
+    """A lending reader gets a message of 256 KiB or more that fits the ring as a
+    private copy-on-write mapping of the segment itself (no copy), a wrapped one
+    contiguous; a small one, or one larger than the ring, is copied as before. A
+    write to a lent frame is private to that reader. The loan's mapping is gone
+    once the next message is received and no view is left. Sabotage: no ``lend``
+    path in ``recv`` -> the frame is in an anonymous buffer, not the segment;
+    ``MAP_SHARED`` in ``shm.Loan`` -> refused on the reader's read-only
+    descriptor, so the message is copied ("not lent"): no reader can write
+    to the ring through a loan."""
+    writer = RingWriter.create(2, LEND_GEO)
+    lender = RingReader.attach(writer.handle, 0, lend=True)
+    copier = RingReader.attach(writer.handle, 1)
+    name, segment = writer.name, f"/dev/shm/{writer.name}"
+
+    def exchange(payload: bytes) -> tuple[list, list]:
+        # The writer and the copier in threads: the writer may need the lender's
+        # last loan back (given at its next recv), and a message larger than the
+        # ring streams only while both readers read.
+        copied: list = []
+        threads = [threading.Thread(target=writer.send, args=([b"meta", payload],), kwargs={"timeout": 10}),
+                   threading.Thread(target=lambda: copied.append(copier.recv(timeout=10)))]
+        for t in threads:
+            t.start()
+        try:
+            return lender.recv(timeout=10), copied
+        finally:
+            for t in threads:
+                t.join(10)
+
+    try:
+        base = _mappings_of(name)
+        for size in (300_000, 700_000, 700_000):  # the third starts at chunk 16 of 16: it wraps
+            payload = os.urandom(size)
+            lent, (copied,) = exchange(payload)
+            assert _mapping_of(_address(lent[1])) == ("rw-p", segment), "not lent"
+            assert bytes(lent[1]) == payload == bytes(copied[1])
+            lent[1][:4] = b"mine"  # private to this reader
+            assert bytes(copied[1]) == payload
+            assert _mappings_of(name) > base
+            del lent, copied
+        for size in (1000, 2 * 2**20):  # small; larger than the ring
+            payload = os.urandom(size)
+            got, (copied,) = exchange(payload)
+            assert bytes(got[1]) == payload == bytes(copied[1])
+            assert _mapping_of(_address(got[1]))[1] != segment, "lent, not copied"
+            assert _mappings_of(name) == base, "the last loan's mapping is left"
+            del got, copied
+    finally:
+        lender.close()
+        copier.close()
+        writer.close()
+
+
+def test_lent_messages_of_every_size_arrive_whole_and_kept_views_keep_their_bytes():
+    """Three reader processes, two lending (each keeping a view of every 3rd
+    payload until the end), one copying, get 400 messages of mixed sizes
+    (small, lent, wrapped, larger than the ring). Each counts and checks every
+    message, and at the end each kept view again, after the ring has reused its
+    chunks many times. Sabotage: in ``Loan.end`` unmap without the copy when a
+    view is alive -> the keeping reader dies (SIGSEGV); keep the mapping without
+    the copy -> ``kept_corrupted``; lend before the last chunk is published ->
+    ``corrupted``."""
+    writer = RingWriter.create(3, LEND_GEO)
+    rng = random.Random(7)
+    sizes = [rng.choice((100, 5000, 300_000, 500_000, 900_000, 1_500_000)) for _ in range(400)]
+    payloads = [rng.randbytes(n) for n in sizes]
+    readers = start_readers(writer, 3, lend=(1, 2), keep_every=3)
+    try:
+        for i, p in enumerate(payloads):
+            writer.send(make_message(i, p), timeout=30)
+        results = collect(writer, readers)
+    finally:
+        for r in readers:
+            end_process(r)
+        writer.close()
+    digest = hashlib.blake2b(b"".join(payloads)).hexdigest()
+    assert counts(results) == [(400, 0, 0)] * 3
+    assert [r["digest"] for r in results] == [digest] * 3
+    lendable = sum(256 * 1024 <= n + 100 <= LEND_GEO.chunk_bytes * LEND_GEO.n_chunks for n in sizes)
+    assert [r["lent"] for r in results] == [0, lendable, lendable]
+    assert [(r["kept"], r["kept_corrupted"]) for r in results[1:]] == [(134, 0)] * 2
+
+
+def test_a_lent_message_not_yet_whole_honours_the_deadline_and_comes_whole_later():
+    """The writer has published part of a message that fits the ring (a copying
+    reader holds the rest of the ring) when its send times out. The lending
+    reader's recv then times out within its deadline, and the next one returns
+    the whole message once the writer finishes it. Sabotage: lend the message
+    when its first chunk is published -> the bytes differ."""
+    writer = RingWriter.create(2, LEND_GEO)
+    lender = RingReader.attach(writer.handle, 0, lend=True)
+    copier = RingReader.attach(writer.handle, 1)
+    first, second = os.urandom(300_000), os.urandom(760_000)  # 5 and 12 of 16 chunks
+    try:
+        writer.send([first], timeout=10)
+        assert bytes(lender.recv(timeout=10)[0]) == first
+        with pytest.raises(TimeoutError) as e:
+            writer.send([second], timeout=0.2)  # the copier has not read the first
+        assert e.value.queued
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            lender.recv(timeout=0.3)
+        assert 0.3 <= time.monotonic() - start < 2.0
+        assert bytes(copier.recv(timeout=10)[0]) == first
+        writer.flush(time.monotonic() + 10)
+        assert bytes(lender.recv(timeout=10)[0]) == second
+        assert bytes(copier.recv(timeout=10)[0]) == second
+    finally:
+        lender.close()
+        copier.close()
+        writer.close()
+
+
+def test_closing_a_lending_reader_gives_its_chunks_back_and_a_kept_view_its_bytes():
+    """A lending reader closes while it holds a loan whose view is kept: the view
+    keeps its bytes while the writer fills the ring again and again for the other
+    reader. Sabotage: close without ending the loan -> the view's bytes change."""
+    writer = RingWriter.create(2, LEND_GEO)
+    lender = RingReader.attach(writer.handle, 0, lend=True)
+    other = RingReader.attach(writer.handle, 1)
+    payload = os.urandom(600_000)
+    try:
+        writer.send([payload], timeout=10)
+        kept = lender.recv(timeout=10)[0]
+        lender.close()
+        assert bytes(other.recv(timeout=10)[0]) == payload
+        for _ in range(8):
+            writer.send([os.urandom(600_000)], timeout=10)  # would block if the loan were held
+            other.recv(timeout=10)
+        assert bytes(kept) == payload
+    finally:
+        lender.close()
+        other.close()
+        writer.close()
+
+
+def test_copies_of_kept_views_are_unmapped_or_reused_once_dropped():
+    """A lending reader that keeps its last two messages' views, 60 times: each
+    kept message gets a copy, and each copy's mapping, once its views are gone,
+    becomes a spare the next copy reuses. This process's mappings do not grow
+    with the messages. Sabotage: no finalizer in ``Loan.end`` -> 60 mappings
+    more; ``_take_spare`` never reuses -> the spares grow past two."""
+    writer = RingWriter.create(1, LEND_GEO)
+    lender = RingReader.attach(writer.handle, 0, lend=True)
+
+    def mappings() -> int:  # of a lent or copied message's size: 10 chunks
+        with open("/proc/self/maps") as f:
+            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
+        return sum(hi - lo == 10 * LEND_GEO.chunk_bytes for lo, hi in spans)
+
+    payloads = [os.urandom(600_000) for _ in range(60)]
+    kept: list = []
+    try:
+        before = mappings()
+        for p in payloads:
+            sender = threading.Thread(target=writer.send, args=([p],), kwargs={"timeout": 10})
+            sender.start()
+            frames = lender.recv(timeout=10)
+            sender.join(10)
+            kept = [*kept[-1:], frames[0]]
+            del frames
+        assert bytes(kept[0]) == payloads[-2] and bytes(kept[1]) == payloads[-1]
+        kept.clear()
+        assert mappings() - before <= 4, "mappings left by the copies of kept views"
+        assert len(shm._spares.get(10 * LEND_GEO.chunk_bytes, [])) <= 3
+    finally:
+        lender.close()
+        writer.close()

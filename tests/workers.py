@@ -125,6 +125,34 @@ class EchoWorker(zbus.Worker):
     def tensor_back(self, t):
         return t * 2 if self.rank == 0 else t
 
+    def keep(self, t):
+        """Keep an argument past the call (a lent one gets pages of its own)."""
+        self.__dict__.setdefault("kept", []).append(t)
+
+    def kept_sums(self):
+        """The sums of what ``keep`` kept, which is then dropped."""
+        sums = [t.sum().item() for t in self.__dict__.pop("kept", [])]
+        return sums
+
+    def add_one_then_sum(self, t, delay):
+        """Rank 0 writes to its argument; the others sum theirs ``delay`` s later."""
+        if self.rank == 0:
+            t.add_(1)
+        else:
+            time.sleep(delay)
+        return t.sum().item()
+
+    def mapping_of_argument(self, t):
+        """The file mapped where the argument's bytes lie ("" for anonymous memory)."""
+        address = t.data_ptr()
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, *rest = line.split()
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if lo <= address < hi:
+                    return rest[4] if len(rest) > 4 else ""
+        return None
+
     def _private(self):
         return "secret"
 

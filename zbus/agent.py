@@ -36,7 +36,7 @@ from .cluster import (
     route_to,
     touch_health,
 )
-from .config import MAX_POLL_S, WaitPolicy
+from .config import MAX_POLL_S, RingGeometry, WaitPolicy
 from .curve import NodeCurve, curve_dir_from_env, secret_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .processes import LocalWorkers, with_gloo_ifname
@@ -289,7 +289,7 @@ class NodeAgent:
         setup_logging(f"node {self.node_rank}", logging.getLevelName(logging.getLogger().level))
         policy = WaitPolicy.from_env()
         policy = dataclasses.replace(policy, slice_s=min(policy.slice_s, FULL_SLICE_S))
-        self.ring = RingWriter.create(n, policy=policy)
+        self.ring = RingWriter.create(n, RingGeometry.from_env(calls=True), policy=policy)
         world = welcome["nnodes"] * n
         places = [{"rank": self.node_rank * n + i, "local_rank": i, "world_size": world,
                    "local_world_size": n, "node_rank": self.node_rank} for i in range(n)]

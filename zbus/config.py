@@ -1,8 +1,10 @@
 """Settings read from the environment, in one place.
 
 ``ZBUS_RING``  ring geometry of every shared-memory queue, ``"<chunk>x<count>"``
-               with an optional K/M suffix on the chunk size; default ``1Mx8``
-               (1 MiB chunks, 8 of them: 8 MiB of /dev/shm per queue).
+               with an optional K/M suffix on the chunk size; default ``1Mx32``
+               for the rings that carry calls to workers (32 MiB of /dev/shm
+               each: a call of up to 32 MiB is decoded where it lies, without
+               a copy) and ``1Mx8`` for each worker's reply queue.
 ``ZBUS_SPIN_US``  how long a waiter spins before it yields; default: 50 us with
                more than 2 usable cores, else 0 (spinning steals the core the
                other side needs).
@@ -43,8 +45,9 @@ class RingGeometry:
     n_chunks: int
 
     @classmethod
-    def from_env(cls) -> RingGeometry:
-        text = os.environ.get("ZBUS_RING", "1Mx8")
+    def from_env(cls, calls: bool = False) -> RingGeometry:
+        """``ZBUS_RING``, else the default of a ring of calls (``calls``) or of replies."""
+        text = os.environ.get("ZBUS_RING", "1Mx32" if calls else "1Mx8")
         try:
             chunk, count = text.lower().split("x")
             geo = cls(parse_size(chunk), int(count))

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from . import codec, protocol
+from .config import RingGeometry
 from .errors import Cancelled, CodecError, SendTimeout, ZbusError
 from .ring import RingHandle, RingReader, RingWriter
 
@@ -208,7 +209,9 @@ class Broadcaster:
                  port_range: tuple[int, int] | None = None, ctx: zmq.Context | None = None,
                  ring: RingWriter | None = None,
                  configure: Callable[[zmq.Socket], None] | None = None):
-        self.ring = ring if ring is not None else (RingWriter.create(n_local) if n_local else None)
+        if ring is None and n_local:
+            ring = RingWriter.create(n_local, RingGeometry.from_env(calls=True))
+        self.ring = ring
         self.xpub: zmq.Socket | None = None
         self.in_parts = False  # large frames cut in parts on the XPUB socket (a keyed one)
         self.port = 0

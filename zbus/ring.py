@@ -24,7 +24,9 @@ Protocol (see docs/architecture.md for why it is safe):
   writer; read_seq[r], reader_waiting[r], detached[r] only by reader r. No
   read-modify-write atomics are needed, only ordered loads and stores.
 - Publish: copy data into chunk s, fence, write_seq = s + 1, fence, then wake the
-  readers if any has reader_waiting set.
+  readers if any has reader_waiting set. A message of many chunks is published
+  once, when it is all written or before the writer waits for room: a reader
+  then wakes once per message, not once per chunk.
 - Consume: see write_seq > s, fence, copy chunk s out, fence, read_seq[r] = s + 1,
   fence, then wake the writer if writer_waiting is set.
 - Park (either side): set own waiting flag, fence, re-check the condition, then
@@ -37,6 +39,10 @@ Protocol (see docs/architecture.md for why it is safe):
 A message's byte stream is ``total u64 | nframes u64 | len u64 * nframes | frames``,
 each frame starting 64-byte aligned.
 
+A reader attached with ``lend`` does not copy a large message that fits the ring:
+it maps the message's chunks privately (copy-on-write) and holds them until its
+next receive; see :meth:`RingReader.recv` and :class:`zbus.shm.Loan`.
+
 The steps of every message (write one that fits a chunk, read it, publish a counter
 between fences, poll before sleeping) run in the compiled core ``zbus._core`` where
 it is built, else in their Python twins below, which do the same byte for byte;
@@ -46,6 +52,8 @@ it is built, else in their Python twins below, which do the same byte for byte;
 from __future__ import annotations
 
 import ctypes
+import logging
+import mmap
 import os
 import struct
 import time
@@ -58,6 +66,8 @@ from .config import RingGeometry, WaitPolicy
 from .errors import Cancelled, RingClosed, SendTimeout
 
 Buffer = Any  # bytes, bytearray, memoryview, or anything with the buffer protocol
+
+log = logging.getLogger(__name__)
 
 _MAGIC = int.from_bytes(b"ZBUSRNG1", "little")
 _ABORTED = 2  # the state word: 0 until aborted
@@ -324,6 +334,7 @@ class RingWriter(_Ring):
         buf, cb = self._buf, self.chunk_bytes
         while left:
             if self._seq - self._min_read >= self.n_chunks and not self._has_space():
+                self._announce()
                 self._wait(self._has_space, _I_WWAIT, deadline, cancel, "send", on_full)
             pos, room = self._chunk(self._seq), min(cb, left)
             left -= room
@@ -336,7 +347,8 @@ class RingWriter(_Ring):
                 pos += take
                 room -= take
             self._pending = (pieces, left)
-            self._publish()
+            self._seq += 1
+        self._announce()
         self._pending = None
 
     def free_chunk(self) -> int | None:
@@ -359,6 +371,9 @@ class RingWriter(_Ring):
 
     def _publish(self) -> None:
         self._seq += 1
+        self._announce()
+
+    def _announce(self) -> None:
         _store(self._q, _W_WSEQ, self._seq)
         i = self._i
         for r, f in enumerate(self._reader_flags):
@@ -382,15 +397,17 @@ class RingReader(_Ring):
     """Reader ``index`` of a ring, attached through its handle."""
 
     @classmethod
-    def attach(cls, handle: RingHandle | dict, index: int, policy: WaitPolicy | None = None) -> RingReader:
+    def attach(cls, handle: RingHandle | dict, index: int, policy: WaitPolicy | None = None,
+               lend: bool = False) -> RingReader:
+        """``lend``: decode large messages where they lie in the ring (see :meth:`recv`)."""
         if isinstance(handle, dict):
             handle = RingHandle.from_dict(handle)
         if not 0 <= index < handle.n_readers:
             raise ValueError(f"reader index {index} out of range 0..{handle.n_readers - 1}")
         seg = shm.Segment.attach(handle.name, handle.size)
-        return cls(seg, policy, index)
+        return cls(seg, policy, index, lend)
 
-    def __init__(self, seg: shm.Segment, policy: WaitPolicy | None, index: int = 0):
+    def __init__(self, seg: shm.Segment, policy: WaitPolicy | None, index: int = 0, lend: bool = False):
         super().__init__(seg, policy)
         off = _reader_off(index)
         # A detached reader's chunks are the writer's to overwrite at once, and a
@@ -411,6 +428,10 @@ class RingReader(_Ring):
         self._buf = seg.buf
         self._bell = shm.Doorbell(f"{self._bell_prefix}r{index}", f"reader {index}")
         self._poll = self._poll_core if _core is not None else None
+        self._loan: shm.Loan | None = None
+        self._fd: int | None = None  # the segment, for loans: only where pages align with chunks
+        if lend and shm.CAN_LEND and (self._data | self.chunk_bytes) % mmap.PAGESIZE == 0:
+            self._fd = os.open(os.path.join(shm.SHM_DIR, seg.name), os.O_RDONLY)
 
     def _has_data(self) -> bool:
         return self._q[_W_WSEQ] > self._pos
@@ -435,17 +456,67 @@ class RingReader(_Ring):
         return self._has_data() or self._ended()
 
     def _release(self) -> None:
-        self._pos += 1  # the store's first fence: our copy is complete before the writer may reuse the chunk
+        self._pos += 1
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Hand the writer every chunk before ``_pos``. The store's first fence:
+        our copy is complete before the writer may reuse them."""
         _store(self._q, self._rseq_w, self._pos)
         if self._i[_I_WWAIT]:
             self._writer_bell.ring()
+
+    def _lend(self, total: int, deadline: float | None, cancel: Any) -> list[memoryview] | None:
+        """The frames of the message at ``_pos``, which fits the ring, mapped where it
+        lies once all of it is published; None where the mapping fails (then this
+        reader copies from now on)."""
+        cb, n = self.chunk_bytes, self.n_chunks
+        k = -(-total // cb)
+        last = self._pos + k - 1  # the message's last chunk
+        if self._q[_W_WSEQ] <= last:
+            poll = partial(_core.poll, self._q, _W_WSEQ, last, (_I_CLOSED, _I_STATE)) if _core else None
+            self._wait(lambda: self._q[_W_WSEQ] > last or self._ended(), self._flag, deadline, cancel,
+                       "recv", poll=poll)
+            if self._q[_W_WSEQ] <= last:
+                raise RingClosed(f"ring {self.name} closed")
+            _fence()  # acquire: the chunks' bytes are read after write_seq
+        first = self._pos % n
+        head = min(k, n - first)
+        pieces = [(self._data + first * cb, head * cb)]
+        if k > head:  # it wraps: its second part follows the first in the mapping
+            pieces.append((self._data, (k - head) * cb))
+        try:
+            self._loan = shm.Loan(self._fd, pieces, total)
+        except OSError as e:
+            log.warning("ring %s: cannot map a message in place (%s); copying from now on", self.name, e)
+            os.close(self._fd)
+            self._fd = None
+            return None
+        self._pos += k
+        return _split_frames(self._loan.view())
+
+    def _end_loan(self) -> None:
+        """Give the lent message's chunks back. A view of it still alive gets a
+        private copy first; should that fail, the chunks stay held."""
+        self._loan.end()
+        self._loan = None
+        self._give_back()
 
     def recv(self, timeout: float | None = None, cancel: Any = None) -> list[memoryview]:
         """Receive the next message as a list of frames (views of one private buffer).
 
         On :class:`TimeoutError` in the middle of a long message, the part already
         read is kept and the next ``recv`` carries on with it. After an abort,
-        what was published before it can still be read; then RingClosed."""
+        what was published before it can still be read; then RingClosed.
+
+        A reader attached with ``lend`` receives a message of ``BufferPool.MIN_BYTES``
+        or more that fits the ring without copying it: the frames are a private,
+        copy-on-write mapping of its chunks (:class:`zbus.shm.Loan`), which this
+        reader holds until its next ``recv`` (or ``close``). Views of it that are
+        still alive then get a private copy, so keeping them is safe; dropping
+        them before is what saves the copy."""
+        if self._loan is not None:
+            self._end_loan()
         deadline = None if timeout is None else time.monotonic() + timeout
         buf, cb = self._buf, self.chunk_bytes
         if self._partial is None:
@@ -455,6 +526,10 @@ class RingReader(_Ring):
                 self._release()
                 return frames
             total = struct.unpack_from("<Q", buf, pos)[0]
+            if self._fd is not None and BufferPool.MIN_BYTES <= total <= cb * self.n_chunks:
+                frames = self._lend(total, deadline, cancel)
+                if frames is not None:
+                    return frames
             take = min(cb, total)
             out = self._pool.take(total)
             out[:take] = buf[pos:pos + take]
@@ -480,6 +555,11 @@ class RingReader(_Ring):
         """Detach: the writer stops waiting for this reader."""
         if self._seg._mmap is None:
             return
+        if self._loan is not None:
+            self._end_loan()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._i[self._detached] = 1
         _fence()
         self._writer_bell.ring()

@@ -18,7 +18,9 @@ import os
 import platform
 import socket
 import struct
+import sys
 import threading
+import weakref
 from typing import Callable
 
 from .errors import ShmSpaceError
@@ -162,6 +164,119 @@ class Segment:
 
     def unlink(self) -> None:
         unlink(self.name)
+
+
+
+# --- copy-on-write loans of a segment's pages ----------------------------------------
+
+_PROT_RW, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_POPULATE = 3, 0x02, 0x10, 0x20, 0x8000
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc_calls() -> tuple | None:
+    """libc's mmap, mremap and munmap through ctypes (Linux), or None."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap_, mremap, munmap = libc.mmap, libc.mremap, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    mmap_.restype = mremap.restype = ctypes.c_void_p
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+    mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return mmap_, mremap, munmap
+
+
+_libc = _libc_calls() if platform.system() == "Linux" else None
+CAN_LEND = _libc is not None
+
+
+def _mapped(address: int | None, what: str) -> int:
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return address
+
+
+class Loan:
+    """Pieces of a segment mapped back to back, private and copy-on-write, so that a
+    reader decodes a message where it lies: no copy is made, and a write to a
+    decoded tensor makes a private copy of that page alone (other readers and the
+    ring never see it).
+
+    Until :meth:`end`, the pieces must not change (the ring does not reuse them).
+    ``end`` unmaps them, or, when a view of them is still alive (the reader kept an
+    argument), first moves a private copy of the pages to the same address, so
+    every view stays valid; that copy is unmapped when the last view is gone.
+    """
+
+    def __init__(self, fd: int, pieces: list[tuple[int, int]], nbytes: int):
+        mmap_, _, munmap = _libc
+        self.size = sum(n for _, n in pieces)
+        # The first piece maps the whole span, which the others then replace.
+        self.address = addr = _mapped(mmap_(None, self.size, _PROT_RW, _MAP_PRIVATE, fd, pieces[0][0]),
+                                      "mapping a message")
+        at = addr + pieces[0][1]
+        try:
+            for offset, n in pieces[1:]:
+                _mapped(mmap_(at, n, _PROT_RW, _MAP_PRIVATE | _MAP_FIXED, fd, offset), "mapping a message")
+                at += n
+        except BaseException:
+            munmap(addr, self.size)
+            raise
+        self.nbytes = nbytes
+        self._block: ctypes.Array | None = (ctypes.c_char * self.size).from_address(addr)
+
+    def view(self) -> memoryview:
+        """The message's bytes: every view of them keeps the loan's pages alive."""
+        return memoryview(self._block).cast("B")[:self.nbytes]
+
+    def end(self) -> bool:
+        """Give the pieces back; whether a view outlived the loan (and got a copy)."""
+        block, self._block = self._block, None
+        if block is None:
+            return False
+        mmap_, mremap, munmap = _libc
+        if sys.getrefcount(block) <= 2:  # ours and the call's: no view is left
+            munmap(self.address, self.size)
+            return False
+        copy = _take_spare(self.size)
+        ctypes.memmove(copy, self.address, self.nbytes)
+        if mremap(copy, self.size, self.size, _MREMAP_MAYMOVE | _MREMAP_FIXED, self.address) != self.address:
+            err = ctypes.get_errno()
+            munmap(copy, self.size)
+            raise OSError(err, f"moving a kept message's copy into place: {os.strerror(err)}")
+        # not at interpreter exit: a view may still be read then
+        weakref.finalize(block, _retire, self.address, self.size).atexit = False
+        return True
+
+
+# Copies of kept messages whose last view is gone, kept mapped for the next copy:
+# faulting in fresh pages costs several times the copy itself (16 MiB: 7-10 ms
+# against 2.4 ms into pages already faulted in, docs/benchmarks.md). By size: each
+# is a whole number of chunks, and a worker's calls tend to repeat their sizes.
+_spares: dict[int, list[int]] = {}
+SPARE_BYTES = 256 * 2**20
+
+
+def _take_spare(size: int) -> int:
+    try:
+        return _spares.get(size, []).pop()
+    except IndexError:
+        return _mapped(_libc[0](None, size, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_POPULATE, -1, 0),
+                       "copying a kept message")
+
+
+def _retire(address: int, size: int) -> None:
+    """Keep the mapping of a copy no view uses any more as a spare, or unmap it.
+    Runs wherever its last view is dropped (any thread): no lock, only operations
+    the GIL makes atomic; the bound may be passed by a few."""
+    if sum(n * len(v) for n, v in list(_spares.items())) + size <= SPARE_BYTES:
+        _spares.setdefault(size, []).append(address)
+    else:
+        _libc[2](address, size)
 
 
 def check_free_space(size: int) -> None:

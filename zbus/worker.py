@@ -285,7 +285,7 @@ def main() -> None:
     death = threading.Thread(target=_watch_death_pipe, args=(place["death_fd"], place["segments"]),
                              name="zbus-death-pipe", daemon=True)
     death.start()
-    bcast = RingReader.attach(place["bcast"], place["local_rank"])
+    bcast = RingReader.attach(place["bcast"], place["local_rank"], lend=True)
     resp = place["resp"]  # local ranks: a ring handle; remote ranks: the leader's PULL address
     if "push" in resp:
         from .curve import NodeCurve
