@@ -32,8 +32,11 @@ def check_reader(handle_json: str, index: int, delay: float = 0.0, lend: bool = 
 
     ``lend``: attach as a lending reader, and count the messages that came as
     loans; ``keep_every``: keep a view of every n-th payload, and check each
-    again at the end (``kept_corrupted``)."""
+    again at the end (``kept_corrupted``), lending every message all the same
+    (each kept loan is copied)."""
     ring = RingReader.attach(json.loads(handle_json), index, lend=lend)
+    if keep_every:
+        ring.COPY_AFTER_KEPT = 0
     digest = hashlib.blake2b()
     worst = 0.0
     received = out_of_sequence = corrupted = lent = 0

@@ -28,15 +28,15 @@ from zbus.ring import RingReader, RingWriter
 NO_RESCUE = {"ZBUS_WAIT_SLICE": "600"}
 
 
-def start_readers(writer: RingWriter, n: int, delays=None, env=None, lend=(),
+def start_readers(writer: RingWriter, n: int, delays=None, env=None, lend=(), keep=(),
                   keep_every=0) -> list[psutil.Popen]:
     """``n`` checking readers (ring_procs.check_reader); those in ``lend`` lend, and
-    keep a view of every ``keep_every``-th payload."""
+    those in ``keep`` keep a view of every ``keep_every``-th payload."""
     handle = json.dumps(writer.handle.to_dict())
     delays = delays or [0.0] * n
     return [spawn_python("import sys, ring_procs; ring_procs.check_reader(sys.argv[1], int(sys.argv[2]), "
                          "float(sys.argv[3]), sys.argv[4] == '1', int(sys.argv[5]))", handle, str(i),
-                         str(delays[i]), "1" if i in lend else "0", str(keep_every if i in lend else 0),
+                         str(delays[i]), "1" if i in lend else "0", str(keep_every if i in keep else 0),
                          stdout=subprocess.PIPE, env=env or {}) for i in range(n)]
 
 
@@ -1099,19 +1099,21 @@ def test_a_large_message_that_fits_is_lent_where_it_lies_in_the_ring():
 
 
 def test_lent_messages_of_every_size_arrive_whole_and_kept_views_keep_their_bytes():
-    """Three reader processes, two lending (each keeping a view of every 3rd
+    """Three reader processes, two lending (one keeping a view of every 3rd
     payload until the end), one copying, get 400 messages of mixed sizes
     (small, lent, wrapped, larger than the ring). Each counts and checks every
     message, and at the end each kept view again, after the ring has reused its
     chunks many times. Sabotage: in ``Loan.end`` unmap without the copy when a
     view is alive -> the keeping reader dies (SIGSEGV); keep the mapping without
     the copy -> ``kept_corrupted``; lend before the last chunk is published ->
-    ``corrupted``."""
+    ``corrupted``; ring no reader waiting for a whole message (2) at a
+    message's end -> a lending reader sleeps through it (no wait slice rescues
+    it here): its recv times out."""
     writer = RingWriter.create(3, LEND_GEO)
     rng = random.Random(7)
     sizes = [rng.choice((100, 5000, 300_000, 500_000, 900_000, 1_500_000)) for _ in range(400)]
     payloads = [rng.randbytes(n) for n in sizes]
-    readers = start_readers(writer, 3, lend=(1, 2), keep_every=3)
+    readers = start_readers(writer, 3, lend=(1, 2), keep=(2,), keep_every=3, env=NO_RESCUE)
     try:
         for i, p in enumerate(payloads):
             writer.send(make_message(i, p), timeout=30)
@@ -1125,7 +1127,7 @@ def test_lent_messages_of_every_size_arrive_whole_and_kept_views_keep_their_byte
     assert [r["digest"] for r in results] == [digest] * 3
     lendable = sum(256 * 1024 <= n + 100 <= LEND_GEO.chunk_bytes * LEND_GEO.n_chunks for n in sizes)
     assert [r["lent"] for r in results] == [0, lendable, lendable]
-    assert [(r["kept"], r["kept_corrupted"]) for r in results[1:]] == [(134, 0)] * 2
+    assert (results[2]["kept"], results[2]["kept_corrupted"]) == (134, 0)
 
 
 def test_a_lent_message_not_yet_whole_honours_the_deadline_and_comes_whole_later():
@@ -1189,6 +1191,7 @@ def test_copies_of_kept_views_are_unmapped_or_reused_once_dropped():
     more; ``_take_spare`` never reuses -> the spares grow past two."""
     writer = RingWriter.create(1, LEND_GEO)
     lender = RingReader.attach(writer.handle, 0, lend=True)
+    lender.COPY_AFTER_KEPT = 0  # lend every message: each kept one is copied at the next recv
 
     def mappings() -> int:  # of a lent or copied message's size: 10 chunks
         with open("/proc/self/maps") as f:
@@ -1211,5 +1214,36 @@ def test_copies_of_kept_views_are_unmapped_or_reused_once_dropped():
         assert mappings() - before <= 4, "mappings left by the copies of kept views"
         assert len(shm._spares.get(10 * LEND_GEO.chunk_bytes, [])) <= 3
     finally:
+        lender.close()
+        writer.close()
+
+
+def test_a_reader_that_keeps_what_it_gets_copies_the_next_messages_then_lends_again():
+    """A lent message kept past the next recv costs a copy made after the whole
+    message was written; copying while the writer streams costs less. So the
+    next ``COPY_AFTER_KEPT`` large messages are copied, then lending resumes.
+    Sabotage: no ``_copy_instead`` set in ``_end_loan`` -> the second message
+    is lent."""
+    writer = RingWriter.create(1, LEND_GEO)
+    lender = RingReader.attach(writer.handle, 0, lend=True)
+    segment = f"/dev/shm/{writer.name}"
+    lent = []
+    kept = None
+    try:
+        for i in range(RingReader.COPY_AFTER_KEPT + 3):
+            payload = os.urandom(300_000)
+            sender = threading.Thread(target=writer.send, args=([payload],), kwargs={"timeout": 10})
+            sender.start()
+            frames = lender.recv(timeout=10)
+            sender.join(10)
+            assert bytes(frames[0]) == payload
+            lent.append(_mapping_of(_address(frames[0]))[1] == segment)
+            if i == 0:
+                kept = frames[0]  # kept past the next recv
+            del frames
+        assert lent == [True] + [False] * RingReader.COPY_AFTER_KEPT + [True, True]
+        assert kept is not None and len(kept) == 300_000
+    finally:
+        del kept
         lender.close()
         writer.close()

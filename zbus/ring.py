@@ -24,9 +24,8 @@ Protocol (see docs/architecture.md for why it is safe):
   writer; read_seq[r], reader_waiting[r], detached[r] only by reader r. No
   read-modify-write atomics are needed, only ordered loads and stores.
 - Publish: copy data into chunk s, fence, write_seq = s + 1, fence, then wake the
-  readers if any has reader_waiting set. A message of many chunks is published
-  once, when it is all written or before the writer waits for room: a reader
-  then wakes once per message, not once per chunk.
+  readers whose reader_waiting is 1, and at a message's last chunk those whose
+  reader_waiting is 2 as well (a lending reader waits for whole messages only).
 - Consume: see write_seq > s, fence, copy chunk s out, fence, read_seq[r] = s + 1,
   fence, then wake the writer if writer_waiting is set.
 - Park (either side): set own waiting flag, fence, re-check the condition, then
@@ -193,9 +192,10 @@ class _Ring:
 
     def _wait(self, ready: Callable[[], bool], flag: int, deadline: float | None, cancel: Any,
               what: str, on_full: Callable[[], None] | None = None,
-              poll: Callable[[float, float], bool] | None = None) -> None:
+              poll: Callable[[float, float], bool] | None = None, raised: int = 1) -> None:
         """Wait until ``ready()``: spin, yield (``poll``, which checks the same), then
-        sleep on our doorbell with our waiting flag (u32 index ``flag``) raised."""
+        sleep on our doorbell with our waiting flag (u32 index ``flag``) set to
+        ``raised`` (a reader: 1, wake me at each chunk; 2, only at a message's end)."""
         pol = self._policy
         if (poll or partial(_poll, ready))(pol.spin_s, pol.yield_s):
             return
@@ -204,7 +204,7 @@ class _Ring:
             while True:
                 if on_full is not None:
                     on_full()
-                i[flag] = 1
+                i[flag] = raised
                 _fence()
                 if ready():
                     return
@@ -334,7 +334,6 @@ class RingWriter(_Ring):
         buf, cb = self._buf, self.chunk_bytes
         while left:
             if self._seq - self._min_read >= self.n_chunks and not self._has_space():
-                self._announce()
                 self._wait(self._has_space, _I_WWAIT, deadline, cancel, "send", on_full)
             pos, room = self._chunk(self._seq), min(cb, left)
             left -= room
@@ -348,7 +347,7 @@ class RingWriter(_Ring):
                 room -= take
             self._pending = (pieces, left)
             self._seq += 1
-        self._announce()
+            self._announce(whole=not left)
         self._pending = None
 
     def free_chunk(self) -> int | None:
@@ -371,13 +370,15 @@ class RingWriter(_Ring):
 
     def _publish(self) -> None:
         self._seq += 1
-        self._announce()
+        self._announce(whole=True)
 
-    def _announce(self) -> None:
+    def _announce(self, whole: bool) -> None:
+        """Publish the chunks written so far; ``whole``: they end a message."""
         _store(self._q, _W_WSEQ, self._seq)
         i = self._i
         for r, f in enumerate(self._reader_flags):
-            if i[f]:
+            waiting = i[f]  # 2: a reader waiting for a whole message, not for each chunk
+            if waiting == 1 or (waiting and whole):
                 self._reader_bells[r].ring()
 
     def close(self, unlink: bool = True) -> None:
@@ -395,6 +396,8 @@ class RingWriter(_Ring):
 
 class RingReader(_Ring):
     """Reader ``index`` of a ring, attached through its handle."""
+
+    COPY_AFTER_KEPT = 8  # a lent message kept past the next recv: copy this many, then lend again
 
     @classmethod
     def attach(cls, handle: RingHandle | dict, index: int, policy: WaitPolicy | None = None,
@@ -429,6 +432,7 @@ class RingReader(_Ring):
         self._bell = shm.Doorbell(f"{self._bell_prefix}r{index}", f"reader {index}")
         self._poll = self._poll_core if _core is not None else None
         self._loan: shm.Loan | None = None
+        self._copy_instead = 0  # large messages to copy before lending again
         self._fd: int | None = None  # the segment, for loans: only where pages align with chunks
         if lend and shm.CAN_LEND and (self._data | self.chunk_bytes) % mmap.PAGESIZE == 0:
             self._fd = os.open(os.path.join(shm.SHM_DIR, seg.name), os.O_RDONLY)
@@ -474,9 +478,12 @@ class RingReader(_Ring):
         k = -(-total // cb)
         last = self._pos + k - 1  # the message's last chunk
         if self._q[_W_WSEQ] <= last:
-            poll = partial(_core.poll, self._q, _W_WSEQ, last, (_I_CLOSED, _I_STATE)) if _core else None
+            # Polling while the writer still has chunks to write takes the core it
+            # needs: sleep until the message's end unless only its last chunk is due.
+            poll = (partial(_core.poll, self._q, _W_WSEQ, last, (_I_CLOSED, _I_STATE)) if _core else None) \
+                if self._q[_W_WSEQ] == last else _no_poll
             self._wait(lambda: self._q[_W_WSEQ] > last or self._ended(), self._flag, deadline, cancel,
-                       "recv", poll=poll)
+                       "recv", poll=poll, raised=2)
             if self._q[_W_WSEQ] <= last:
                 raise RingClosed(f"ring {self.name} closed")
             _fence()  # acquire: the chunks' bytes are read after write_seq
@@ -498,7 +505,10 @@ class RingReader(_Ring):
     def _end_loan(self) -> None:
         """Give the lent message's chunks back. A view of it still alive gets a
         private copy first; should that fail, the chunks stay held."""
-        self._loan.end()
+        if self._loan.end():
+            # This reader keeps what it gets: copying while the writer streams beats
+            # a loan's copy, made once the whole message is written.
+            self._copy_instead = self.COPY_AFTER_KEPT
         self._loan = None
         self._give_back()
 
@@ -527,9 +537,12 @@ class RingReader(_Ring):
                 return frames
             total = struct.unpack_from("<Q", buf, pos)[0]
             if self._fd is not None and BufferPool.MIN_BYTES <= total <= cb * self.n_chunks:
-                frames = self._lend(total, deadline, cancel)
-                if frames is not None:
-                    return frames
+                if self._copy_instead:
+                    self._copy_instead -= 1
+                else:
+                    frames = self._lend(total, deadline, cancel)
+                    if frames is not None:
+                        return frames
             take = min(cb, total)
             out = self._pool.take(total)
             out[:take] = buf[pos:pos + take]
@@ -564,6 +577,10 @@ class RingReader(_Ring):
         _fence()
         self._writer_bell.ring()
         self._close_mapping()
+
+
+def _no_poll(spin_s: float, yield_s: float) -> bool:
+    return False
 
 
 def _byte_view(f: Buffer) -> memoryview:
