@@ -219,10 +219,7 @@ class _Encoder:
         if not t.is_contiguous() and not _dense(t.shape, strides):
             t = t.detach().contiguous()  # overlapping or gapped layout: send a compact copy
             strides = list(t.stride())
-        # The elements tile one block (size-1 dims may have any stride): send it as is,
-        # in a frame of its own, or inline when small (a frame costs more than a copy).
-        if nbytes < OOB_THRESHOLD:
-            return [dtype, list(t.shape), strides, ctypes.string_at(t.data_ptr(), nbytes)]
+        # The elements tile one block (size-1 dims may have any stride): send it as is.
         return [dtype, list(t.shape), strides, self.oob(_tensor_bytes(t))]
 
     def _ndarray(self, a: Any, np: Any) -> list:
@@ -383,8 +380,7 @@ class _Decoder:
             return torch.empty(shape, dtype=dtype)
         if not _ints(strides) or len(strides) != len(shape):
             raise CodecError("malformed tensor strides")
-        # the data: a frame's index, or inline bytes (a small tensor)
-        data = self.copy(index) if type(index) is bytes else self.private(self.frame(index))
+        data = self.private(self.frame(index))
         numel = _numel(shape)
         if len(data) != numel * dtype.itemsize or not numel or (
                 strides != [1] and not _dense(shape, strides)):
