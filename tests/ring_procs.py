@@ -79,3 +79,33 @@ def idle_reader(handle_json: str, index: int) -> None:
         print(json.dumps({"latency": time.monotonic() - sent}), flush=True)
     finally:
         ring.close()
+
+
+def kept_loan_that_cannot_be_copied(handle_json: str) -> None:
+    """Keep a lent message, then receive while a page of it is read-only, so the
+    kernel refuses to make it this reader's own (EINVAL): that recv fails and the
+    chunks stay held. Told to go on (a line on stdin), make the page writable and
+    receive again. Prints what it saw."""
+    import ctypes
+    import mmap
+    import sys
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    ring = RingReader.attach(json.loads(handle_json), 0, lend=True)
+    kept = ring.recv(timeout=30)[0]
+    lent = ring._loan is not None
+    page = ctypes.addressof(ctypes.c_char.from_buffer(kept)) // mmap.PAGESIZE * mmap.PAGESIZE
+    libc.mprotect(page + 64 * mmap.PAGESIZE, mmap.PAGESIZE, mmap.PROT_READ)
+    try:
+        ring.recv(timeout=0.2)
+        failed = None
+    except OSError as e:
+        failed = e.errno
+    print(json.dumps({"lent": lent, "failed": failed}), flush=True)
+    sys.stdin.readline()
+    libc.mprotect(page + 64 * mmap.PAGESIZE, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE)
+    second = bytes(ring.recv(timeout=30)[0])
+    print(json.dumps({"kept_intact": bytes(kept) == b"A" * len(kept), "kept": len(kept),
+                      "second": [second[:1].decode(), len(second)]}), flush=True)
+    ring.close()

@@ -17,6 +17,7 @@ from conftest import end_process, live_children, own_segments, spawn_python, wai
 from workers import EchoWorker
 
 import zbus
+from zbus.ring import RingReader
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +191,26 @@ def test_a_large_argument_is_lent_from_the_ring_and_one_kept_keeps_its_bytes(ex)
         ex.collective_rpc("keep", args=(t,))
         sums.append(t.sum().item())
     assert ex.collective_rpc("kept_sums") == [sums, sums]
+
+
+def test_a_call_that_raises_does_not_keep_its_lent_arguments(ex):
+    """A method that raises with a lent argument: the traceback holds the frames
+    that hold it. The worker's loop drops its own references to the message and
+    the result, so nothing keeps the argument and the next large call is lent
+    too (a kept one would make the worker copy its next 8). Sabotage: no
+    ``result = None`` at the end of ``worker.handle`` -> the next call's argument
+    is in anonymous memory."""
+    torch = pytest.importorskip("torch")
+    ring = f"/dev/shm/{ex._bcast.ring.name}"
+    ones = torch.ones(2**18)
+    for _ in range(RingReader.COPY_AFTER_KEPT + 1):  # past the copies an earlier test's keeping left
+        if ex.collective_rpc("mapping_of_argument", args=(ones,)) == [ring] * 2:
+            break
+    else:
+        pytest.fail("a 1 MiB argument is never lent")
+    with pytest.raises(zbus.RemoteError, match="failed with 262144 elements"):
+        ex.collective_rpc("fail_with", args=(ones,))
+    assert ex.collective_rpc("mapping_of_argument", args=(ones,)) == [ring] * 2
 
 
 def test_remote_error_carries_details_and_worker_survives(ex):

@@ -142,6 +142,10 @@ class EchoWorker(zbus.Worker):
             time.sleep(delay)
         return t.sum().item()
 
+    def fail_with(self, t):
+        """Raise, holding the argument in this frame (which the traceback keeps)."""
+        raise ValueError(f"failed with {t.numel()} elements")
+
     def mapping_of_argument(self, t):
         """The file mapped where the argument's bytes lie ("" for anonymous memory)."""
         address = t.data_ptr()

@@ -95,9 +95,12 @@ def _reader_off(r: int) -> int:
     return _READER_BASE + 64 * r
 
 
+_PAGE = max(4096, mmap.PAGESIZE)  # data on a page of its own: lent chunks map from it
+
+
 def _data_offset(n_readers: int) -> int:
     end = _reader_off(n_readers)
-    return (end + 4095) // 4096 * 4096
+    return (end + _PAGE - 1) // _PAGE * _PAGE
 
 
 def segment_size(geometry: RingGeometry, n_readers: int) -> int:
@@ -434,8 +437,11 @@ class RingReader(_Ring):
         self._loan: shm.Loan | None = None
         self._copy_instead = 0  # large messages to copy before lending again
         self._fd: int | None = None  # the segment, for loans: only where pages align with chunks
-        if lend and shm.CAN_LEND and (self._data | self.chunk_bytes) % mmap.PAGESIZE == 0:
-            self._fd = os.open(os.path.join(shm.SHM_DIR, seg.name), os.O_RDONLY)
+        if lend and (self._data | self.chunk_bytes) % mmap.PAGESIZE == 0 and shm.can_lend():
+            try:
+                self._fd = os.open(os.path.join(shm.SHM_DIR, seg.name), os.O_RDONLY)
+            except OSError as e:
+                log.warning("ring %s: cannot open it to lend messages (%s); copying them", self.name, e)
 
     def _has_data(self) -> bool:
         return self._q[_W_WSEQ] > self._pos
@@ -493,18 +499,20 @@ class RingReader(_Ring):
         if k > head:  # it wraps: its second part follows the first in the mapping
             pieces.append((self._data, (k - head) * cb))
         try:
-            self._loan = shm.Loan(self._fd, pieces, total)
+            loan = shm.Loan(self._fd, pieces, total)
         except OSError as e:
             log.warning("ring %s: cannot map a message in place (%s); copying from now on", self.name, e)
             os.close(self._fd)
             self._fd = None
             return None
-        self._pos += k
-        return _split_frames(self._loan.view())
+        self._pos += k  # before the loan is ours to end: never the same message twice
+        self._loan = loan
+        return _split_frames(loan.view())
 
     def _end_loan(self) -> None:
         """Give the lent message's chunks back. A view of it still alive gets a
-        private copy first; should that fail, the chunks stay held."""
+        private copy first; should that fail (OSError: no memory), the chunks stay
+        held and the next call tries again."""
         if self._loan.end():
             # This reader keeps what it gets: copying while the writer streams beats
             # a loan's copy, made once the whole message is written.
@@ -569,7 +577,10 @@ class RingReader(_Ring):
         if self._seg._mmap is None:
             return
         if self._loan is not None:
-            self._end_loan()
+            try:
+                self._end_loan()
+            except OSError as e:  # the writer must not wait for a reader that is gone
+                log.warning("ring %s: a kept view's copy failed (%s): it may change", self.name, e)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -18,9 +18,7 @@ import os
 import platform
 import socket
 import struct
-import sys
 import threading
-import weakref
 from typing import Callable
 
 from .errors import ShmSpaceError
@@ -169,28 +167,48 @@ class Segment:
 
 # --- copy-on-write loans of a segment's pages ----------------------------------------
 
-_PROT_RW, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_POPULATE = 3, 0x02, 0x10, 0x20, 0x8000
-_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_PROT_RW, _MAP_PRIVATE, _MAP_FIXED = 3, 0x02, 0x10
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _libc_calls() -> tuple | None:
-    """libc's mmap, mremap and munmap through ctypes (Linux), or None."""
+    """libc's mmap and madvise through ctypes (Linux), or None."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mmap_, mremap, munmap = libc.mmap, libc.mremap, libc.munmap
+        mmap_, madvise = libc.mmap, libc.madvise
     except (OSError, AttributeError):
         return None
-    mmap_.restype = mremap.restype = ctypes.c_void_p
+    mmap_.restype = ctypes.c_void_p
     mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                       ctypes.c_long]
-    mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return mmap_, mremap, munmap
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return mmap_, madvise
 
 
 _libc = _libc_calls() if platform.system() == "Linux" else None
-CAN_LEND = _libc is not None
+_lending: bool | None = None
+
+
+def can_lend() -> bool:
+    """Whether loans work here: Linux with ``MADV_POPULATE_WRITE`` (5.14), which
+    gives a kept loan's pages to its reader alone. Tried once, on a page of a
+    memfd."""
+    global _lending
+    if _lending is None:
+        _lending = False
+        if _libc is not None and hasattr(os, "memfd_create"):
+            fd = os.memfd_create("zbus-probe")
+            try:
+                os.ftruncate(fd, mmap.PAGESIZE)
+                with mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE) as m:
+                    address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+                    _lending = _libc[1](address, mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return _lending
 
 
 def _mapped(address: int | None, what: str) -> int:
@@ -206,77 +224,51 @@ class Loan:
     decoded tensor makes a private copy of that page alone (other readers and the
     ring never see it).
 
-    Until :meth:`end`, the pieces must not change (the ring does not reuse them).
-    ``end`` unmaps them, or, when a view of them is still alive (the reader kept an
-    argument), first moves a private copy of the pages to the same address, so
-    every view stays valid; that copy is unmapped when the last view is gone.
+    The span is reserved by a :class:`mmap.mmap` (anonymous, never touched) that the
+    pieces are then mapped over: every view of the message holds it, and it refuses
+    to close while one exists, which is how :meth:`end` knows. Until ``end``, the
+    pieces must not change (the ring does not reuse them). Make one only where
+    :func:`can_lend`.
     """
 
     def __init__(self, fd: int, pieces: list[tuple[int, int]], nbytes: int):
-        mmap_, _, munmap = _libc
         self.size = sum(n for _, n in pieces)
-        # The first piece maps the whole span, which the others then replace.
-        self.address = addr = _mapped(mmap_(None, self.size, _PROT_RW, _MAP_PRIVATE, fd, pieces[0][0]),
-                                      "mapping a message")
-        at = addr + pieces[0][1]
+        self.nbytes = nbytes
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE)
+        self.address = at = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         try:
-            for offset, n in pieces[1:]:
-                _mapped(mmap_(at, n, _PROT_RW, _MAP_PRIVATE | _MAP_FIXED, fd, offset), "mapping a message")
+            for offset, n in pieces:
+                _mapped(_libc[0](at, n, _PROT_RW, _MAP_PRIVATE | _MAP_FIXED, fd, offset), "mapping a message")
                 at += n
         except BaseException:
-            munmap(addr, self.size)
+            self._map.close()
             raise
-        self.nbytes = nbytes
-        self._block: ctypes.Array | None = (ctypes.c_char * self.size).from_address(addr)
 
     def view(self) -> memoryview:
-        """The message's bytes: every view of them keeps the loan's pages alive."""
-        return memoryview(self._block).cast("B")[:self.nbytes]
+        """The message's bytes: every view of them keeps the loan's pages mapped."""
+        return memoryview(self._map)[:self.nbytes]
 
     def end(self) -> bool:
-        """Give the pieces back; whether a view outlived the loan (and got a copy)."""
-        block, self._block = self._block, None
-        if block is None:
+        """Give the pieces back: unmap them, or, when a view of them is still alive
+        (the reader kept an argument), make every page of the mapping the reader's
+        own first (the kernel copies those not yet written), so the views keep
+        their bytes at the same address whatever the segment holds next; the
+        mapping goes with the last view. Whether a view was alive. Threads writing
+        to a view meanwhile lose nothing: each page is copied by the kernel at
+        once. On OSError (no memory) the pieces are still the loan's, and ``end``
+        may be called again."""
+        if self._map is None:
             return False
-        mmap_, mremap, munmap = _libc
-        if sys.getrefcount(block) <= 2:  # ours and the call's: no view is left
-            munmap(self.address, self.size)
-            return False
-        copy = _take_spare(self.size)
-        ctypes.memmove(copy, self.address, self.nbytes)
-        if mremap(copy, self.size, self.size, _MREMAP_MAYMOVE | _MREMAP_FIXED, self.address) != self.address:
-            err = ctypes.get_errno()
-            munmap(copy, self.size)
-            raise OSError(err, f"moving a kept message's copy into place: {os.strerror(err)}")
-        # not at interpreter exit: a view may still be read then
-        weakref.finalize(block, _retire, self.address, self.size).atexit = False
-        return True
-
-
-# Copies of kept messages whose last view is gone, kept mapped for the next copy:
-# faulting in fresh pages costs several times the copy itself (16 MiB: 7-10 ms
-# against 2.4 ms into pages already faulted in, docs/benchmarks.md). By size: each
-# is a whole number of chunks, and a worker's calls tend to repeat their sizes.
-_spares: dict[int, list[int]] = {}
-SPARE_BYTES = 256 * 2**20
-
-
-def _take_spare(size: int) -> int:
-    try:
-        return _spares.get(size, []).pop()
-    except IndexError:
-        return _mapped(_libc[0](None, size, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_POPULATE, -1, 0),
-                       "copying a kept message")
-
-
-def _retire(address: int, size: int) -> None:
-    """Keep the mapping of a copy no view uses any more as a spare, or unmap it.
-    Runs wherever its last view is dropped (any thread): no lock, only operations
-    the GIL makes atomic; the bound may be passed by a few."""
-    if sum(n * len(v) for n, v in list(_spares.items())) + size <= SPARE_BYTES:
-        _spares.setdefault(size, []).append(address)
-    else:
-        _libc[2](address, size)
+        try:
+            self._map.close()
+        except BufferError:  # "exported pointers exist": a view is alive
+            if _libc[1](self.address, self.size, _MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"copying a kept message: {os.strerror(err)}") from None
+            self._map = None  # the views hold it
+            return True
+        self._map = None
+        return False
 
 
 def check_free_space(size: int) -> None:

@@ -195,8 +195,14 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
         result, status = ZbusError(f"cannot decode the arguments of {method!r}: {e}"), protocol.REFUSED
     else:
         result, status = run_call(worker, method, args, kwargs, allow_import)
+        del args, kwargs
+    del frames  # a view of a lent call's chunks: not to be kept by what follows
     if replying:
         replies.send(seq, result, status)
+    # An exception's traceback holds this frame: without this, its locals (and the
+    # arguments' views) would live until the cyclic GC runs, and the reader would
+    # copy a lent call that nobody keeps.
+    result = None
     return True
 
 
