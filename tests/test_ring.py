@@ -51,6 +51,19 @@ def collect(writer: RingWriter, readers: list[psutil.Popen], timeout: float = 12
     return out
 
 
+def send_and_collect(writer: RingWriter, readers: list[psutil.Popen], messages) -> list[dict]:
+    """Send each message of ``messages`` (an iterable of frame lists), then collect
+    the readers' summaries; the readers are ended and the writer closed."""
+    try:
+        for frames in messages:
+            writer.send(frames, timeout=60)
+        return collect(writer, readers)
+    finally:
+        for r in readers:
+            end_process(r)
+        writer.close()
+
+
 def counts(results: list[dict]) -> list[tuple[int, int, int]]:
     """(received, out of sequence, corrupted) of each reader."""
     return [(r["received"], r["out_of_sequence"], r["corrupted"]) for r in results]
@@ -67,16 +80,14 @@ def test_100k_messages_three_readers_every_message_once_in_order():
     readers = start_readers(writer, 3)
     rng = random.Random(7)
     digest = hashlib.blake2b()
-    try:
+
+    def messages():
         for i in range(count):
             payload = rng.randbytes(rng.randint(0, 3 * geo.chunk_bytes))
             digest.update(payload)
-            writer.send(make_message(i, payload), timeout=60)
-        results = collect(writer, readers)
-    finally:
-        for r in readers:
-            end_process(r)
-        writer.close()
+            yield make_message(i, payload)
+
+    results = send_and_collect(writer, readers, messages())
     assert counts(results) == [(count, 0, 0)] * 3
     assert {r["digest"] for r in results} == {digest.hexdigest()}
 
@@ -1114,14 +1125,7 @@ def test_lent_messages_of_every_size_arrive_whole_and_kept_views_keep_their_byte
     sizes = [rng.choice((100, 5000, 300_000, 500_000, 900_000, 1_500_000)) for _ in range(400)]
     payloads = [rng.randbytes(n) for n in sizes]
     readers = start_readers(writer, 3, lend=(1, 2), keep=(2,), keep_every=3, env=NO_RESCUE)
-    try:
-        for i, p in enumerate(payloads):
-            writer.send(make_message(i, p), timeout=30)
-        results = collect(writer, readers)
-    finally:
-        for r in readers:
-            end_process(r)
-        writer.close()
+    results = send_and_collect(writer, readers, (make_message(i, p) for i, p in enumerate(payloads)))
     digest = hashlib.blake2b(b"".join(payloads)).hexdigest()
     assert counts(results) == [(400, 0, 0)] * 3
     assert [r["digest"] for r in results] == [digest] * 3
