@@ -415,6 +415,11 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
         pub.send_multipart([str(last).encode(), payload], copy=len(payload) < 65536)
         pull.recv()
 
+    def direct_to_all(payload: Any) -> None:
+        pub.send_multipart([b"all", payload], copy=False)
+        for _ in remote:
+            pull.recv()
+
     def relayed(payload: Any) -> None:
         rpub.send_multipart([str(last).encode(), payload], copy=len(payload) < 65536)
         rpull.recv()
@@ -443,9 +448,9 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
                 sa, sb = paired(call, lambda r=raw: reqrep(r), seconds / 2, block=blk)
                 emit(row("nodes", case, sa, sb, "pyzmq TCP req/rep"))
             payload, n = torch.zeros(4 * MiB), 5  # 16 MiB
-            for name, send in (("zbus relay", lambda: ex.collective_rpc("size", args=(payload,),
-                                                                         unique_reply_rank=0)),
-                               ("direct fan-out", lambda: direct(bytes(payload.numpy())))):
+            # Every rank answers, so each broadcast is counted once all of it was sent.
+            for name, send in (("zbus relay", lambda: ex.collective_rpc("size", args=(payload,))),
+                               ("direct fan-out", lambda: direct_to_all(bytes(payload.numpy())))):
                 before = egress()
                 for _ in range(n):
                     send()

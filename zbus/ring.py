@@ -484,10 +484,12 @@ class RingReader(_Ring):
         k = -(-total // cb)
         last = self._pos + k - 1  # the message's last chunk
         if self._q[_W_WSEQ] <= last:
-            # Polling while the writer still has chunks to write takes the core it
-            # needs: sleep until the message's end unless only its last chunk is due.
-            poll = (partial(_core.poll, self._q, _W_WSEQ, last, (_I_CLOSED, _I_STATE)) if _core else None) \
-                if self._q[_W_WSEQ] == last else _no_poll
+            if self._q[_W_WSEQ] < last:  # polling would take the core the writer needs
+                poll = _no_poll
+            elif _core is not None:  # only the last chunk is due
+                poll = partial(_core.poll, self._q, _W_WSEQ, last, (_I_CLOSED, _I_STATE))
+            else:
+                poll = None
             self._wait(lambda: self._q[_W_WSEQ] > last or self._ended(), self._flag, deadline, cancel,
                        "recv", poll=poll, raised=2)
             if self._q[_W_WSEQ] <= last:

@@ -164,7 +164,6 @@ class Segment:
         unlink(self.name)
 
 
-
 # --- copy-on-write loans of a segment's pages ----------------------------------------
 
 _PROT_RW, _MAP_PRIVATE, _MAP_FIXED = 3, 0x02, 0x10
@@ -198,7 +197,10 @@ def can_lend() -> bool:
     if _lending is None:
         _lending = False
         if _libc is not None and hasattr(os, "memfd_create"):
-            fd = os.memfd_create("zbus-probe")
+            try:
+                fd = os.memfd_create("zbus-probe")
+            except OSError:
+                return False
             try:
                 os.ftruncate(fd, mmap.PAGESIZE)
                 with mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE) as m:
