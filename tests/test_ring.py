@@ -1317,3 +1317,52 @@ def test_a_kept_view_written_by_another_thread_while_it_is_copied_loses_no_write
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_process_forked_during_a_loan_keeps_the_lent_bytes():
+    """A lending reader forks while it holds a lent message (as a worker's
+    DataLoader would during a call). The parent then receives four more messages,
+    which rewrite every chunk of the ring, before the child reads its inherited
+    view: it still holds the first message. Sabotage: no ``os.register_at_fork``
+    hook in ``zbus.shm`` -> the child reads later messages' bytes."""
+    import select
+
+    writer = RingWriter.create(1, LEND_GEO)
+    lender = RingReader.attach(writer.handle, 0, lend=True)
+    segment = f"/dev/shm/{writer.name}"
+    payload = os.urandom(600_000)  # 10 of 16 chunks
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pid = 0
+    try:
+        writer.send([payload], timeout=10)
+        view = lender.recv(timeout=10)[0]
+        assert _mapping_of(_address(view))[1] == segment, "not lent"
+        pid = os.fork()
+        if pid == 0:  # the child: read the view once the ring has moved on
+            try:
+                os.read(go_r, 1)
+                os.write(res_w, b"1" if bytes(view) == payload else b"0")
+            finally:
+                os._exit(0)
+        del view
+        for _ in range(4):
+            later = [os.urandom(600_000)]
+            sender = threading.Thread(target=writer.send, args=(later,), kwargs={"timeout": 10})
+            sender.start()
+            lender.recv(timeout=10)
+            sender.join(10)
+        os.write(go_w, b"g")
+        assert select.select([res_r], [], [], 10)[0], "the forked child did not answer"
+        assert os.read(res_r, 1) == b"1", "the forked child reads later messages' bytes"
+    finally:
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+        for fd in (go_r, go_w, res_r, res_w):
+            os.close(fd)
+        lender.close()
+        writer.close()

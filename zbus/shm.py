@@ -19,6 +19,7 @@ import platform
 import socket
 import struct
 import threading
+import weakref
 from typing import Callable
 
 from .errors import ShmSpaceError
@@ -231,6 +232,11 @@ class Loan:
     to close while one exists, which is how :meth:`end` knows. Until ``end``, the
     pieces must not change (the ring does not reuse them). Make one only where
     :func:`can_lend`.
+
+    A process forked while a loan is open inherits the mapping, whose pages not
+    yet written would follow the segment once the loan ends: so before a fork
+    every open loan's pages are made this process's own (:meth:`own`), and the
+    child keeps the message's bytes.
     """
 
     def __init__(self, fd: int, pieces: list[tuple[int, int]], nbytes: int):
@@ -245,6 +251,7 @@ class Loan:
         except BaseException:
             self._map.close()
             raise
+        _open_loans.add(self)
 
     def view(self) -> memoryview:
         """The message's bytes: every view of them keeps the loan's pages mapped."""
@@ -264,13 +271,37 @@ class Loan:
         try:
             self._map.close()
         except BufferError:  # "exported pointers exist": a view is alive
-            if _libc[1](self.address, self.size, _MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"copying a kept message: {os.strerror(err)}") from None
+            self.own()
             self._map = None  # the views hold it
+            _open_loans.discard(self)
             return True
         self._map = None
+        _open_loans.discard(self)
         return False
+
+    def own(self) -> None:
+        """Make every page of the mapping this process's own: the kernel copies
+        those not yet written, at the same address. OSError (no memory) if it
+        cannot."""
+        if _libc[1](self.address, self.size, _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"copying a kept message: {os.strerror(err)}")
+
+
+_open_loans: weakref.WeakSet[Loan] = weakref.WeakSet()
+
+
+def _own_open_loans() -> None:
+    """Before a fork: the child must not inherit pages that follow the segment."""
+    for loan in list(_open_loans):
+        try:
+            loan.own()
+        except OSError as e:
+            log.warning("fork during a lent message: %s; the child may see later messages' bytes", e)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_own_open_loans)
 
 
 def check_free_space(size: int) -> None:
