@@ -1366,3 +1366,40 @@ def test_a_process_forked_during_a_loan_keeps_the_lent_bytes():
             os.close(fd)
         lender.close()
         writer.close()
+
+
+def test_a_kept_lent_message_costs_its_own_size_not_its_chunks():
+    """A 300 000-byte message lent from 1 MiB chunks and kept past the next recv:
+    the copy made for it is its pages (293 KiB), not its whole chunk (1 MiB).
+    Sabotage: ``Loan.own`` populates ``self.size`` -> 1024 KiB of the mapping
+    become anonymous."""
+    writer = RingWriter.create(1, RingGeometry(2**20, 4))
+    lender = RingReader.attach(writer.handle, 0, lend=True)
+    payload = os.urandom(300_000)
+    try:
+        writer.send([payload], timeout=10)
+        kept = lender.recv(timeout=10)[0]
+        with pytest.raises(TimeoutError):
+            lender.recv(timeout=0.01)  # ends the loan: the kept view gets its copy
+        assert bytes(kept) == payload
+        page = os.sysconf("SC_PAGE_SIZE")
+        own_kib = -(-300_000 // page) * page // 1024
+        assert _smaps_field(_address(kept), "Anonymous") == own_kib
+        del kept
+    finally:
+        lender.close()
+        writer.close()
+
+
+def _smaps_field(address: int, field: str) -> int:
+    """``field`` (kB) of the mapping of this process that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and head[0] == field + ":":
+                return int(head[1])
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -280,10 +280,12 @@ class Loan:
         return False
 
     def own(self) -> None:
-        """Make every page of the mapping this process's own: the kernel copies
-        those not yet written, at the same address. OSError (no memory) if it
+        """Make the message's pages this process's own: the kernel copies those
+        not yet written, at the same address. (The pages of the last chunk past
+        the message are left: no view reaches them.) OSError (no memory) if it
         cannot."""
-        if _libc[1](self.address, self.size, _MADV_POPULATE_WRITE) != 0:
+        length = min(self.size, -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if length and _libc[1](self.address, length, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"copying a kept message: {os.strerror(err)}")
 
