@@ -1403,3 +1403,38 @@ def _smaps_field(address: int, field: str) -> int:
             elif inside and head[0] == field + ":":
                 return int(head[1])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_pages_made_private_for_a_fork_are_not_copied_again():
+    """A reader forks during a lent message (its pages become its own, then are
+    shared copy-on-write with the child); then the pages are asked to be its own
+    again, as the next fork or the end of a kept loan asks: no copy is made, the
+    pages stay shared with the child. Sabotage: no ``_owned`` check in
+    ``Loan.own`` -> every page is copied again (Private_Dirty, not shared)."""
+    writer = RingWriter.create(1, RingGeometry(2**20, 4))
+    lender = RingReader.attach(writer.handle, 0, lend=True)
+    go_r, go_w = os.pipe()
+    pid = 0
+    try:
+        writer.send([os.urandom(300_000)], timeout=10)
+        kept = lender.recv(timeout=10)[0]
+        pid = os.fork()
+        if pid == 0:  # the child holds the shared pages until told to end
+            try:
+                os.read(go_r, 1)
+            finally:
+                os._exit(0)
+        lender._loan.own()  # as a second fork would
+        page = os.sysconf("SC_PAGE_SIZE")
+        own_kib = -(-300_000 // page) * page // 1024
+        assert _smaps_field(_address(kept), "Shared_Dirty") == own_kib, "copied again"
+        assert _smaps_field(_address(kept), "Private_Dirty") == 0
+        del kept
+    finally:
+        os.write(go_w, b"g")
+        if pid:
+            os.waitpid(pid, 0)
+        os.close(go_r)
+        os.close(go_w)
+        lender.close()
+        writer.close()

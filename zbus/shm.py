@@ -236,22 +236,26 @@ class Loan:
     A process forked while a loan is open inherits the mapping, whose pages not
     yet written would follow the segment once the loan ends: so before a fork
     every open loan's pages are made this process's own (:meth:`own`), and the
-    child keeps the message's bytes.
+    child keeps the message's bytes. Loans are made and ended under a lock that
+    a fork holds, so none is half made or missed then.
     """
 
     def __init__(self, fd: int, pieces: list[tuple[int, int]], nbytes: int):
         self.size = sum(n for _, n in pieces)
         self.nbytes = nbytes
-        self._map: mmap.mmap | None = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE)
-        self.address = at = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        try:
-            for offset, n in pieces:
-                _mapped(_libc[0](at, n, _PROT_RW, _MAP_PRIVATE | _MAP_FIXED, fd, offset), "mapping a message")
-                at += n
-        except BaseException:
-            self._map.close()
-            raise
-        _open_loans.add(self)
+        self._owned = False  # the message's pages are this process's own
+        with _loans_lock:
+            self._map: mmap.mmap | None = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE)
+            self.address = at = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+            try:
+                for offset, n in pieces:
+                    _mapped(_libc[0](at, n, _PROT_RW, _MAP_PRIVATE | _MAP_FIXED, fd, offset),
+                            "mapping a message")
+                    at += n
+            except BaseException:
+                self._map.close()
+                raise
+            _open_loans.add(self)
 
     def view(self) -> memoryview:
         """The message's bytes: every view of them keeps the loan's pages mapped."""
@@ -259,42 +263,46 @@ class Loan:
 
     def end(self) -> bool:
         """Give the pieces back: unmap them, or, when a view of them is still alive
-        (the reader kept an argument), make every page of the mapping the reader's
-        own first (the kernel copies those not yet written), so the views keep
-        their bytes at the same address whatever the segment holds next; the
-        mapping goes with the last view. Whether a view was alive. Threads writing
-        to a view meanwhile lose nothing: each page is copied by the kernel at
-        once. On OSError (no memory) the pieces are still the loan's, and ``end``
-        may be called again."""
-        if self._map is None:
-            return False
-        try:
-            self._map.close()
-        except BufferError:  # "exported pointers exist": a view is alive
-            self.own()
-            self._map = None  # the views hold it
+        (the reader kept an argument), make the message's pages the reader's own
+        first (:meth:`own`), so the views keep their bytes at the same address
+        whatever the segment holds next; the mapping goes with the last view.
+        Whether a view was alive. Threads writing to a view meanwhile lose
+        nothing: each page is copied by the kernel at once. On OSError (no
+        memory) the pieces are still the loan's, and ``end`` may be called again."""
+        with _loans_lock:
+            if self._map is None:
+                return False
+            try:
+                self._map.close()
+                kept = False
+            except BufferError:  # "exported pointers exist": a view is alive
+                self.own()
+                kept = True  # the views hold the mapping
+            self._map = None
             _open_loans.discard(self)
-            return True
-        self._map = None
-        _open_loans.discard(self)
-        return False
+            return kept
 
     def own(self) -> None:
-        """Make the message's pages this process's own: the kernel copies those
-        not yet written, at the same address. (The pages of the last chunk past
-        the message are left: no view reaches them.) OSError (no memory) if it
-        cannot."""
+        """Make the message's pages this process's own, once: the kernel copies
+        those not yet written, at the same address (the rest of the last chunk is
+        left: no view reaches it). Once private they stay so, through forks too.
+        OSError (no memory) if it cannot."""
+        if self._owned:
+            return
         length = min(self.size, -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
         if length and _libc[1](self.address, length, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"copying a kept message: {os.strerror(err)}")
+        self._owned = True
 
 
 _open_loans: weakref.WeakSet[Loan] = weakref.WeakSet()
+_loans_lock = threading.Lock()  # held to make or end a loan, and through a fork
 
 
-def _own_open_loans() -> None:
-    """Before a fork: the child must not inherit pages that follow the segment."""
+def _before_fork() -> None:
+    """The child must not inherit pages that follow the segment."""
+    _loans_lock.acquire()
     for loan in list(_open_loans):
         try:
             loan.own()
@@ -302,8 +310,14 @@ def _own_open_loans() -> None:
             log.warning("fork during a lent message: %s; the child may see later messages' bytes", e)
 
 
+def _after_fork_in_child() -> None:
+    global _loans_lock
+    _loans_lock = threading.Lock()  # the parent's other threads do not exist here
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_own_open_loans)
+    os.register_at_fork(before=_before_fork, after_in_parent=lambda: _loans_lock.release(),
+                        after_in_child=_after_fork_in_child)
 
 
 def check_free_space(size: int) -> None:
