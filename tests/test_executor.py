@@ -193,6 +193,45 @@ def test_a_large_argument_is_lent_from_the_ring_and_one_kept_keeps_its_bytes(ex)
     assert ex.collective_rpc("kept_sums") == [sums, sums]
 
 
+def test_a_kept_argument_whose_copy_fails_for_a_while_does_not_end_the_worker(ex):
+    """A worker keeps a lent 1 MiB argument that the kernel cannot make its own
+    for 0.3 s (a read-only page: EINVAL, as no memory would be). Its next receive
+    fails, is tried again after a pause, and succeeds: the same processes answer
+    the next calls and the kept argument keeps its bytes. Sabotage: ``serve``
+    calls ``recv`` without ``_receive`` -> the worker ends (WorkerDiedError)."""
+    torch = pytest.importorskip("torch")
+    ring = f"/dev/shm/{ex._bcast.ring.name}"
+    ones = torch.ones(2**18)
+    for _ in range(RingReader.COPY_AFTER_KEPT + 1):  # past the copies an earlier test's keeping left
+        if ex.collective_rpc("mapping_of_argument", args=(ones,)) == [ring] * 2:
+            break
+    pids = ex.collective_rpc("keep_with_a_read_only_page", args=(torch.full((2**18,), 7.0), 0.3))
+    assert ex.collective_rpc("whoami", timeout=30)[0]["pid"] == pids[0]
+    assert ex.collective_rpc("kept_sums") == [[7.0 * 2**18]] * 2
+
+
+def test_a_child_forked_by_a_call_never_acts_as_the_worker(ex):
+    """A call forks a child on rank 0 that returns from the call, or calls
+    ``sys.exit(0)``, instead of ending with ``os._exit``. The child ends at once
+    (status 1, or its own 0) without replying, reading the ring or closing what
+    is the worker's; the workers go on serving, large calls lent as before.
+    Sabotage: no ``_end_if_forked`` in ``handle`` -> the driver takes the
+    child's reply for rank 0's; none in ``main``'s ``finally`` -> the child detaches
+    the worker's reader and closes its replies: the worker dies."""
+    torch = pytest.importorskip("torch")
+    ring = f"/dev/shm/{ex._bcast.ring.name}"
+    pids = [w["pid"] for w in ex.collective_rpc("whoami")]
+    assert ex.collective_rpc("fork_a_child_that", args=("return",), timeout=30) == [1, None]
+    assert ex.collective_rpc("fork_a_child_that", args=("exit",), timeout=30) == [0, None]
+    assert [w["pid"] for w in ex.collective_rpc("whoami", timeout=30)] == pids
+    for _ in range(RingReader.COPY_AFTER_KEPT + 1):  # past the copies an earlier test's keeping left
+        if ex.collective_rpc("mapping_of_argument", args=(torch.ones(2**18),), timeout=30) == [ring] * 2:
+            break
+    else:
+        pytest.fail("a 1 MiB argument is no longer lent")
+    assert [w["pid"] for w in ex.collective_rpc("whoami", timeout=30)] == pids
+
+
 def test_a_call_that_raises_does_not_keep_its_lent_arguments(ex):
     """A method that raises with a lent argument: the traceback holds the frames
     that hold it. The worker's loop drops its own references to the message and

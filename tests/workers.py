@@ -157,6 +157,45 @@ class EchoWorker(zbus.Worker):
                     return rest[4] if len(rest) > 4 else ""
         return None
 
+    def keep_with_a_read_only_page(self, t, seconds):
+        """Keep ``t`` with one of its pages read-only for ``seconds``: until then the
+        kernel refuses to make a lent ``t`` this worker's own (EINVAL), as it would
+        with no memory, so the next receive fails and is tried again."""
+        import ctypes
+        import mmap
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = (t.data_ptr() // mmap.PAGESIZE + 4) * mmap.PAGESIZE
+        assert libc.mprotect(page, mmap.PAGESIZE, mmap.PROT_READ) == 0
+        writable = (page, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE)
+        threading.Timer(seconds, libc.mprotect, writable).start()
+        self.keep(t)
+        return os.getpid()
+
+    def fork_a_child_that(self, how):
+        """Fork a child that, once it was rank 0's, returns from this call ("return")
+        or calls ``sys.exit(0)`` ("exit") instead of ending with ``os._exit``. The
+        parent returns the child's exit status, or "running" if it still runs 5 s
+        later (then it is killed)."""
+        import sys
+
+        child = os.fork() if self.rank == 0 else None
+        if child == 0:
+            if how == "exit":
+                sys.exit(0)
+            return "the child's reply"
+        if child is None:
+            return None
+        for _ in range(500):
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.01)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        return "running"
+
     def _private(self):
         return "secret"
 

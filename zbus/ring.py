@@ -535,9 +535,9 @@ class RingReader(_Ring):
         reader holds until its next ``recv`` (or ``close``). Views of it that are
         still alive then get a private copy, so keeping them is safe; dropping
         them before is what saves the copy."""
+        deadline = None if timeout is None else time.monotonic() + timeout  # the copy below counts
         if self._loan is not None:
             self._end_loan()
-        deadline = None if timeout is None else time.monotonic() + timeout
         buf, cb = self._buf, self.chunk_bytes
         if self._partial is None:
             pos = self._next_chunk(deadline, cancel)

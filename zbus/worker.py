@@ -167,10 +167,25 @@ def serve(worker: Worker, recv: Callable[[], list], put: Callable[[Any], None],
     replies = ReplyPipe(put, ack)
     while True:
         try:
-            if not handle(worker, recv(), replies, allow_import):
+            if not handle(worker, _receive(recv), replies, allow_import):
                 return
         except RingClosed:
             return
+
+
+# Pauses before receiving again when a receive fails with OSError: the copy of a
+# lent call the worker kept found no memory; its chunks stay held meanwhile.
+RECEIVE_RETRY_S = (0.05, 0.5, 2.0, 5.0)
+
+
+def _receive(recv: Callable[[], list]) -> list:
+    for pause in RECEIVE_RETRY_S:
+        try:
+            return recv()
+        except OSError as e:
+            log.warning("receiving the next call: %s; trying again in %.2f s", e, pause)
+            time.sleep(pause)
+    return recv()
 
 
 def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool) -> bool:
@@ -196,6 +211,7 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     else:
         result, status = run_call(worker, method, args, kwargs, allow_import)
         del args, kwargs
+        _end_if_forked(1)
     del frames  # a view of a lent call's chunks: not to be kept by what follows
     if replying:
         replies.send(seq, result, status)
@@ -206,6 +222,24 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     return True
 
 
+def _end_if_forked(code: int) -> None:
+    """End a process that a call forked (``os.fork``) and that came back into the
+    worker's loop (returning, or raising ``SystemExit``) instead of ending: the
+    rings, replies and clean-up it would touch are its parent's."""
+    if _serving_pid is not None and os.getpid() != _serving_pid:
+        if code:
+            log.error("a process forked by a call came back into the worker's loop: ending it "
+                      "(a forked child must end with os._exit)")
+        os._exit(code)
+
+
+def _exit_code(exc: BaseException | None) -> int:
+    """The status ``exc`` (None: a normal return) ends a process with."""
+    if exc is None or isinstance(exc, SystemExit) and exc.code is None:
+        return 0
+    return exc.code if isinstance(exc, SystemExit) and type(exc.code) is int else 1
+
+
 def _arguments(payload: Any) -> tuple[tuple | list, dict]:
     """``(args, kwargs)`` as the driver sends them; CodecError for another shape."""
     if not (type(payload) is tuple and len(payload) == 2 and type(payload[0]) in (tuple, list)
@@ -213,6 +247,9 @@ def _arguments(payload: Any) -> tuple[tuple | list, dict]:
         raise CodecError(f"the arguments are not (args, kwargs): {brief(payload)}")
     return payload
 
+
+# This worker's process, once it serves: a child forked by a call is not it.
+_serving_pid: int | None = None
 
 # What must not outlive this worker process, removed at its end: see on_exit.
 _at_exit: list[Callable[[], None]] = []
@@ -285,6 +322,8 @@ def main() -> None:
     from .queues import ReplySender, ShmSender
     from .ring import RingReader
 
+    global _serving_pid
+    _serving_pid = os.getpid()
     place = json.loads(os.environ.pop("ZBUS_WORKER"))
     setup_logging(f"node {place['node_rank']} rank {place['rank']}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -323,6 +362,7 @@ def main() -> None:
 
         serve(worker, bcast.recv, put, spec.get("allow_import", True), getattr(out, "ack", None))
     finally:
+        _end_if_forked(_exit_code(sys.exc_info()[1]))
         try:
             _run_on_exit()
         finally:
