@@ -193,6 +193,15 @@ def test_a_large_argument_is_lent_from_the_ring_and_one_kept_keeps_its_bytes(ex)
     assert ex.collective_rpc("kept_sums") == [sums, sums]
 
 
+def _lent_again(ex, torch) -> bool:
+    """Whether a 1 MiB argument is lent to both workers again within the copies
+    an earlier test's keeping left them."""
+    ring = f"/dev/shm/{ex._bcast.ring.name}"
+    ones = torch.ones(2**18)
+    return any(ex.collective_rpc("mapping_of_argument", args=(ones,), timeout=30) == [ring] * 2
+               for _ in range(RingReader.COPY_AFTER_KEPT + 1))
+
+
 def test_a_kept_argument_whose_copy_fails_for_a_while_does_not_end_the_worker(ex):
     """A worker keeps a lent 1 MiB argument that the kernel cannot make its own
     for 0.3 s (a read-only page: EINVAL, as no memory would be). Its next receive
@@ -200,11 +209,7 @@ def test_a_kept_argument_whose_copy_fails_for_a_while_does_not_end_the_worker(ex
     the next calls and the kept argument keeps its bytes. Sabotage: ``serve``
     calls ``recv`` without ``_receive`` -> the worker ends (WorkerDiedError)."""
     torch = pytest.importorskip("torch")
-    ring = f"/dev/shm/{ex._bcast.ring.name}"
-    ones = torch.ones(2**18)
-    for _ in range(RingReader.COPY_AFTER_KEPT + 1):  # past the copies an earlier test's keeping left
-        if ex.collective_rpc("mapping_of_argument", args=(ones,)) == [ring] * 2:
-            break
+    _lent_again(ex, torch)
     pids = ex.collective_rpc("keep_with_a_read_only_page", args=(torch.full((2**18,), 7.0), 0.3))
     assert ex.collective_rpc("whoami", timeout=30)[0]["pid"] == pids[0]
     assert ex.collective_rpc("kept_sums") == [[7.0 * 2**18]] * 2
@@ -219,16 +224,11 @@ def test_a_child_forked_by_a_call_never_acts_as_the_worker(ex):
     child's reply for rank 0's; none in ``main``'s ``finally`` -> the child detaches
     the worker's reader and closes its replies: the worker dies."""
     torch = pytest.importorskip("torch")
-    ring = f"/dev/shm/{ex._bcast.ring.name}"
     pids = [w["pid"] for w in ex.collective_rpc("whoami")]
     assert ex.collective_rpc("fork_a_child_that", args=("return",), timeout=30) == [1, None]
     assert ex.collective_rpc("fork_a_child_that", args=("exit",), timeout=30) == [0, None]
     assert [w["pid"] for w in ex.collective_rpc("whoami", timeout=30)] == pids
-    for _ in range(RingReader.COPY_AFTER_KEPT + 1):  # past the copies an earlier test's keeping left
-        if ex.collective_rpc("mapping_of_argument", args=(torch.ones(2**18),), timeout=30) == [ring] * 2:
-            break
-    else:
-        pytest.fail("a 1 MiB argument is no longer lent")
+    assert _lent_again(ex, torch), "a 1 MiB argument is no longer lent"
     assert [w["pid"] for w in ex.collective_rpc("whoami", timeout=30)] == pids
 
 
@@ -242,11 +242,7 @@ def test_a_call_that_raises_does_not_keep_its_lent_arguments(ex):
     torch = pytest.importorskip("torch")
     ring = f"/dev/shm/{ex._bcast.ring.name}"
     ones = torch.ones(2**18)
-    for _ in range(RingReader.COPY_AFTER_KEPT + 1):  # past the copies an earlier test's keeping left
-        if ex.collective_rpc("mapping_of_argument", args=(ones,)) == [ring] * 2:
-            break
-    else:
-        pytest.fail("a 1 MiB argument is never lent")
+    assert _lent_again(ex, torch), "a 1 MiB argument is never lent"
     with pytest.raises(zbus.RemoteError, match="failed with 262144 elements"):
         ex.collective_rpc("fail_with", args=(ones,))
     assert ex.collective_rpc("mapping_of_argument", args=(ones,)) == [ring] * 2
