@@ -327,6 +327,28 @@ def test_the_executor_says_it_failed_for_good():
         adapter._zbus.shutdown()
 
 
+def test_shutdown_does_not_wait_behind_a_step_that_timed_out():
+    """A step timed out and its worker is still in it: the shutdown does not ask
+    the workers to shut vLLM down (their answer would come after that step's),
+    and ends within vLLM's 5 s plus the stop's grace. Sabotage: no
+    ``zbus.unanswered`` check in ``ZbusExecutor.shutdown`` -> it waits out the
+    shutdown call's 3 s first (over 8 s)."""
+    import zbus
+    from zbus.vllm.executor import ZbusExecutor
+
+    adapter = ZbusExecutor.__new__(ZbusExecutor)  # vLLM's interface over a plain cluster
+    adapter._zbus = zbus.Executor("workers:EchoWorker", nproc_per_node=1)
+    try:
+        with pytest.raises(TimeoutError):
+            adapter._zbus.collective_rpc("sleep", args=(30,), timeout=0.5)
+        assert adapter._zbus.unanswered == 1
+        start = time.monotonic()
+        adapter.shutdown()
+        assert time.monotonic() - start < 7.5
+    finally:
+        adapter._zbus.shutdown()
+
+
 # --- the engine ------------------------------------------------------------------
 
 

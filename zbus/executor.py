@@ -289,6 +289,12 @@ class Executor:
         """Raise the executor's failure if it failed; else return None."""
         self.failure.raise_if_failed()
 
+    @property
+    def unanswered(self) -> int:
+        """Calls sent whose replies have not all come (one that timed out included:
+        the replies of later calls queue behind it)."""
+        return len(getattr(self, "_pending", ()))
+
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once when the executor fails (at once if it has)."""
         self.failure.on_failure(lambda _error: callback())

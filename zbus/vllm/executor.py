@@ -22,6 +22,9 @@ WORKER = "zbus.vllm.worker:VllmWorker"
 # agents and the engine poll (yielding the core) instead of sleeping, as vLLM's own
 # workers spin for 1 s after each message.
 POLL_BETWEEN_STEPS_S = 0.01
+# vLLM SIGKILLs an engine not gone 5 s after SIGTERM: its workers' shutdown takes
+# 0.4-0.5 s, and whatever is left of the 5 s goes to stopping the processes.
+SHUTDOWN_RPC_S = 3.0
 
 
 class ZbusExecutor(VllmExecutor):
@@ -49,6 +52,7 @@ class ZbusExecutor(VllmExecutor):
             self.collective_rpc("load_model")
             set_torch_threads_for_runtime()  # as vLLM's own: this process only schedules
         except BaseException:
+            remove_cpu_shm(self._zbus.torch_port, 0)
             self._zbus.shutdown()
             raise
 
@@ -133,9 +137,11 @@ class ZbusExecutor(VllmExecutor):
         # end, then SIGKILLs it. Each worker removes them too as it ends (on_exit),
         # orphaned or not.
         remove_cpu_shm(zbus.torch_port, 0)
-        if zbus.failure.error is None:  # failed: no worker may be there to answer
+        # Failed: no worker may be there to answer. A step unanswered (it timed out):
+        # the answer would queue behind it, past the few seconds vLLM gives.
+        if zbus.failure.error is None and not zbus.unanswered:
             try:
-                zbus.collective_rpc("shutdown", timeout=10)
+                zbus.collective_rpc("shutdown", timeout=SHUTDOWN_RPC_S)
             except (ZbusError, TimeoutError) as e:
                 log.warning("workers' shutdown: %s", e)
         log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
