@@ -23,6 +23,7 @@ from conftest import TEST_PATH, end_process, wait_until
 import zbus
 from zbus import codec
 from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, free_port_pair, node_topic
+from zbus.processes import node_shm_prefix, remove_shm_named
 
 
 def follower(port: int, *args: str, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
@@ -805,6 +806,33 @@ def test_a_failed_executor_tells_its_nodes_to_end_without_a_shutdown():
         with pytest.raises(zbus.WorkerDiedError):
             pending.result(timeout=20)
         assert_node_2_ends_at_once(procs, node2, "no shutdown")
+
+
+def test_a_failed_executor_ends_its_own_workers_and_every_nodes_named_memory():
+    """Every worker names shared memory with its node's prefix, then sleeps deaf
+    to SIGTERM (as vLLM's CPU all-reduce in its native spin); node 1's worker is
+    SIGKILLed. Without a shutdown, the leader's own worker ends as node 2's does,
+    and both nodes' names are gone. Sabotage: no stop of the workers in
+    ``MultiprocExecutor._on_failure``: rank 0 spins until shutdown; no
+    ``remove_shm_named`` in ``LocalWorkers.stop``: the names stay."""
+    with leader_and_two_followers() as (ex, procs, node2):
+        prefixes = [node_shm_prefix(ex.torch_port, n) for n in range(3)]
+        try:
+            pending = ex.collective_rpc("stubborn_node_shm", args=("held", 60), non_block=True)
+            wait_until(lambda: all(os.path.exists(f"/dev/shm/{p}held") for p in prefixes), 20,
+                       "every worker holding its node's name")
+            psutil.Process(procs[0].pid).children()[0].kill()
+            with pytest.raises(zbus.WorkerDiedError):
+                pending.result(timeout=20)
+            rank0 = psutil.Process(ex._workers.procs[0].pid)
+            # grace 0.2 s, SIGTERM ignored for 2 s, then SIGKILL
+            gone, alive = psutil.wait_procs([rank0, *node2], timeout=10)
+            assert not alive, f"still running after the failure: {alive}"
+            wait_until(lambda: not [n for n in os.listdir("/dev/shm") if n.startswith(tuple(prefixes))],
+                       5, "the nodes' names removed once their workers ended")
+        finally:
+            for p in prefixes:
+                remove_shm_named(p)
 
 
 def assert_node_2_ends_at_once(procs: list, node2: list, how: str) -> None:

@@ -101,6 +101,12 @@ class EchoWorker(zbus.Worker):
         time.sleep(seconds)
         return self.rank
 
+    def stubborn_node_shm(self, name, seconds):
+        """Name shared memory with this node's prefix (as vLLM's CPU all-reduce
+        does), then sleep deaf to SIGTERM (as in that all-reduce's native spin)."""
+        open(f"/dev/shm/{os.environ['ZBUS_NODE_SHM_PREFIX']}{name}", "w").close()
+        return self.stubborn_sleep(seconds)
+
     def die(self, rank=None, how="kill"):
         if rank is None or rank == self.rank:
             if how == "abort":

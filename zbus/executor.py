@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 BACKENDS = ("mp", "inproc")
 STARTUP_REPORT_GRACE_S = 1.0  # how long a failed start-up waits for the worker's own report
 EXIT_REPORT_S = 2.0  # how long a worker that closed its replies has to exit (and be reported)
+FAILED_GRACE_S = 0.2  # how long a failed executor's workers get to end by themselves (then SIGTERM)
 WorkerSpec = "type[Worker] | str"
 
 
@@ -685,6 +686,12 @@ class MultiprocExecutor(Executor):
             rx.abort()
         for call in list(self._pending):
             call.settle(False, error)
+        # End this node's workers now, as the follower nodes end theirs on the
+        # leader's "failed": one stuck in a collective with a dead peer would spin
+        # until shutdown. (A thread: this may run in the caller's or the watcher's.)
+        if self._workers is not None:
+            threading.Thread(target=self._workers.stop, kwargs={"grace": FAILED_GRACE_S},
+                             name="zbus-end-workers", daemon=True).start()
 
     # --- calls ---------------------------------------------------------------------
 

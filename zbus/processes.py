@@ -18,6 +18,31 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 KILL_WAIT_S = 10.0  # how long a SIGKILLed worker is waited for before it is left behind
+# Workers learn their node's prefix of shared-memory names here: what they name
+# with it, their node removes once they have all ended (even SIGKILLed).
+NODE_SHM_PREFIX_ENV = "ZBUS_NODE_SHM_PREFIX"
+
+
+def node_shm_prefix(master_port: int, node_rank: int) -> str:
+    """The shared-memory names of one node's workers in one cluster (its
+    rendezvous port). Ends in the text after the last ':' of the rendezvous
+    ``tcp://host:port?zbus_node=N`` plus '-', which is how vLLM's CPU all-reduce
+    names its segments (see :func:`zbus.vllm.worker.distributed_init_method`)."""
+    return f"{int(master_port)}?zbus_node={int(node_rank)}-"
+
+
+def remove_shm_named(prefix: str) -> None:
+    """Remove every /dev/shm name that starts with ``prefix`` (those in use stay
+    mapped where they are)."""
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
 
 
 def _visible_gpus() -> list[str]:
@@ -41,6 +66,7 @@ def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str,
         "WORLD_SIZE": str(place["world_size"]), "LOCAL_WORLD_SIZE": str(place["local_world_size"]),
         "NODE_RANK": str(place["node_rank"]), "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
+        NODE_SHM_PREFIX_ENV: node_shm_prefix(master_port, place["node_rank"]),
     })
     env.setdefault("OMP_NUM_THREADS", "1")
     gpus = _visible_gpus()
@@ -64,7 +90,10 @@ def with_gloo_ifname(env: dict[str, str], ifname: str | None) -> dict[str, str]:
 class LocalWorkers:
     """Worker processes of one node: started as fresh interpreters (no fork),
     watched through pidfds, ended by pid. ``on_death(local_rank, exitcode)`` runs
-    in the watcher thread when one exits unexpectedly."""
+    in the watcher thread when one exits unexpectedly. Once stopped or killed,
+    the shared memory named with the node's prefix (:func:`node_shm_prefix`) is
+    removed: a worker killed in a native loop cannot remove its own. Stopping is
+    safe from several threads (a failure and a shutdown may both stop them)."""
 
     def __init__(self, places: list[dict], bcast: dict, responses: list[dict], segments: list[str],
                  master_addr: str, master_port: int, extra_env: dict[str, str],
@@ -74,6 +103,8 @@ class LocalWorkers:
         self.procs: list[subprocess.Popen] = []
         self._on_death = on_death
         self.stopping = False
+        self._shm_prefix = node_shm_prefix(master_port, places[0]["node_rank"])
+        self._close_lock = threading.Lock()
         pidfds: list[int] = []
         try:
             for place, resp in zip(places, responses):
@@ -144,6 +175,7 @@ class LocalWorkers:
             if not self.wait(term_s):
                 self.kill()
         self.close()
+        remove_shm_named(self._shm_prefix)
 
     def kill(self) -> None:
         self.stopping = True
@@ -157,9 +189,12 @@ class LocalWorkers:
             except subprocess.TimeoutExpired:
                 log.error("worker pid %d did not end %.0f s after SIGKILL: left to the system",
                           p.pid, KILL_WAIT_S)
+        remove_shm_named(self._shm_prefix)
 
     def close(self) -> None:
-        if self._death_w >= 0:
+        with self._close_lock:
+            if self._death_w < 0:
+                return
             os.write(self._stop_w, b"x")
             if hasattr(self, "_thread") and self._thread is not threading.current_thread():
                 self._thread.join(5)  # (a failure callback may call shutdown on this thread)

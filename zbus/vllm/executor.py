@@ -13,8 +13,8 @@ from vllm.v1.executor.abstract import Executor as VllmExecutor
 from .. import Executor
 from ..cluster import ClusterSettings
 from ..errors import ZbusError
+from ..processes import node_shm_prefix, remove_shm_named
 from .wire import load_wire_modules
-from .worker import remove_cpu_shm
 
 log = logging.getLogger(__name__)
 WORKER = "zbus.vllm.worker:VllmWorker"
@@ -52,7 +52,7 @@ class ZbusExecutor(VllmExecutor):
             self.collective_rpc("load_model")
             set_torch_threads_for_runtime()  # as vLLM's own: this process only schedules
         except BaseException:
-            remove_cpu_shm(self._zbus.torch_port, 0)
+            remove_shm_named(node_shm_prefix(self._zbus.torch_port, 0))
             self._zbus.shutdown()
             raise
 
@@ -135,8 +135,8 @@ class ZbusExecutor(VllmExecutor):
         started = time.monotonic()
         # Names first (mappings stay valid): vLLM gives this process a few seconds to
         # end, then SIGKILLs it. Each worker removes them too as it ends (on_exit),
-        # orphaned or not.
-        remove_cpu_shm(zbus.torch_port, 0)
+        # orphaned or not, and each node once its workers have ended.
+        remove_shm_named(node_shm_prefix(zbus.torch_port, 0))
         # Failed: no worker may be there to answer. A step unanswered (it timed out):
         # the answer would queue behind it, past the few seconds vLLM gives.
         if zbus.failure.error is None and not zbus.unanswered:

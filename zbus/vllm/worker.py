@@ -10,6 +10,7 @@ from typing import Any
 
 from ..cluster import resolve_ip, route_to
 from ..errors import ZbusError
+from ..processes import NODE_SHM_PREFIX_ENV, node_shm_prefix, remove_shm_named
 from ..worker import Worker, on_exit
 from .wire import load_wire_modules
 
@@ -50,7 +51,7 @@ class VllmWorker(Worker):
         self.wrapper.init_worker(kwargs)
         # by every worker, as any of them may be the one killed; before vLLM's own
         # atexit hooks, which may wait on a peer gone with the driver
-        on_exit(functools.partial(remove_cpu_shm, os.environ["MASTER_PORT"], self.node_rank))
+        on_exit(functools.partial(remove_shm_named, os.environ[NODE_SHM_PREFIX_ENV]))
 
     def execute_model(self, scheduler_output: Any) -> Any:
         return self._output(self.wrapper.execute_model(scheduler_output))
@@ -134,30 +135,18 @@ def cpu_plan(vllm_config: Any, local_world_size: int) -> list[list[int]]:
     return [] if plan.skip_setup else plan.cpu_lists
 
 
-def remove_cpu_shm(port: int | str, node_rank: int) -> None:
-    """Remove the segments of vLLM's CPU all-reduce on this node (named after the
-    rendezvous, see :func:`distributed_init_method`): a worker killed mid-step
-    cannot remove its own."""
-    prefix = f"{port}?zbus_node={node_rank}-"
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass
-
-
 def distributed_init_method(node_rank: int) -> str:
     """torch.distributed's rendezvous at the address zbus gives every worker.
     vLLM's CPU worker names its shared-memory all-reduce group after the text
     behind the last ':', so each node gets its own: a group that spans nodes then
-    sees different names and uses torch.distributed instead."""
+    sees different names and uses torch.distributed instead. Those names start
+    with the node's shared-memory prefix, so the node removes them when its
+    workers end, even SIGKILLed in the all-reduce's spin."""
     host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     host = f"[{host}]" if ":" in host else host
-    return f"tcp://{host}:{port}?zbus_node={node_rank}"
+    init_method = f"tcp://{host}:{port}?zbus_node={node_rank}"
+    assert node_shm_prefix(int(port), node_rank) == init_method.split(":")[-1] + "-"
+    return init_method
 
 
 def allowed() -> set[str]:
