@@ -6,6 +6,7 @@ they are skipped, with the reason."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -337,7 +338,7 @@ def test_shutdown_does_not_wait_behind_a_step_that_timed_out():
     from zbus.vllm.executor import ZbusExecutor
 
     adapter = ZbusExecutor.__new__(ZbusExecutor)  # vLLM's interface over a plain cluster
-    adapter._zbus = zbus.Executor("workers:EchoWorker", nproc_per_node=1)
+    adapter._attach(zbus.Executor("workers:EchoWorker", nproc_per_node=1))
     try:
         with pytest.raises(TimeoutError):
             adapter._zbus.collective_rpc("sleep", args=(30,), timeout=0.5)
@@ -347,6 +348,28 @@ def test_shutdown_does_not_wait_behind_a_step_that_timed_out():
         assert time.monotonic() - start < 7.5
     finally:
         adapter._zbus.shutdown()
+
+
+def test_an_executor_never_shut_down_is_when_it_is_collected():
+    """vLLM does not shut down an engine whose start failed after its executor was
+    built: the executor's workers end when it is collected (or at exit). Sabotage:
+    no ``weakref.finalize`` in ``ZbusExecutor._attach`` (the shutdown's work done
+    by ``shutdown`` alone): the worker lives on."""
+    import zbus
+    from zbus.vllm.executor import ZbusExecutor
+
+    adapter = ZbusExecutor.__new__(ZbusExecutor)  # vLLM's interface over a plain cluster
+    cluster = zbus.Executor("workers:EchoWorker", nproc_per_node=1)
+    try:
+        adapter._attach(cluster)
+        worker = psutil.Process(cluster._workers.procs[0].pid)
+        del adapter
+        gc.collect()
+        assert psutil.wait_procs([worker], timeout=10)[1] == []
+        with pytest.raises(zbus.ZbusError, match="shut down"):
+            cluster.collective_rpc("noop", timeout=5)
+    finally:
+        cluster.shutdown()
 
 
 # --- the engine ------------------------------------------------------------------

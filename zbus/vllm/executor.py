@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+import weakref
 from typing import Any, Callable
 
 from vllm.utils.torch_utils import set_torch_threads_for_runtime
@@ -44,17 +45,26 @@ class ZbusExecutor(VllmExecutor):
                              f"ZBUS_NNODES={nnodes} nodes")
         # the first TP worker of the last PP stage, as vLLM's own executor
         self.output_rank = self.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
-        self._zbus = Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
-                              output_rank=self.output_rank, poll_after_call_s=POLL_BETWEEN_STEPS_S)
+        self._attach(Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
+                              output_rank=self.output_rank, poll_after_call_s=POLL_BETWEEN_STEPS_S))
         try:
             self.collective_rpc("init_worker", args=(self.vllm_config,))
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
             set_torch_threads_for_runtime()  # as vLLM's own: this process only schedules
         except BaseException:
+            self._finalizer.detach()  # no worker may be there to answer a shutdown call
             remove_shm_named(node_shm_prefix(self._zbus.torch_port, 0))
             self._zbus.shutdown()
             raise
+
+    def _attach(self, zbus: Executor) -> None:
+        """Run on ``zbus`` from now on. It is shut down by :meth:`shutdown`, or when
+        this executor is collected or the process exits, as vLLM's own executor
+        is: vLLM does not shut down an engine whose start failed after its
+        executor was built (its KV cache did not fit, say)."""
+        self._zbus = zbus
+        self._finalizer = weakref.finalize(self, _shutdown, zbus)
 
     # --- calls ---------------------------------------------------------------------
 
@@ -128,29 +138,33 @@ class ZbusExecutor(VllmExecutor):
 
     def shutdown(self) -> None:
         """Ask the workers to shut vLLM down, then stop every process and free every
-        segment, on every node."""
-        zbus = getattr(self, "_zbus", None)
-        if zbus is None:
-            return
-        started = time.monotonic()
-        # Names first (mappings stay valid): vLLM gives this process a few seconds to
-        # end, then SIGKILLs it. Each worker removes them too as it ends (on_exit),
-        # orphaned or not, and each node once its workers have ended.
-        remove_shm_named(node_shm_prefix(zbus.torch_port, 0))
-        # Failed: no worker may be there to answer. A step unanswered (it timed out):
-        # the answer would queue behind it, past the few seconds vLLM gives.
-        if zbus.failure.error is None and not zbus.unanswered:
-            try:
-                zbus.collective_rpc("shutdown", timeout=SHUTDOWN_RPC_S)
-            except (ZbusError, TimeoutError) as e:
-                log.warning("workers' shutdown: %s", e)
-        log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
-        zbus.shutdown()
-        log.info("zbus shut down in %.2f s", time.monotonic() - started)
+        segment, on every node. Once; later calls return at once."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
         return True  # zbus futures complete by themselves
+
+
+def _shutdown(zbus: Executor) -> None:
+    """:meth:`ZbusExecutor.shutdown` (a function: the finalizer must not hold the executor)."""
+    started = time.monotonic()
+    # Names first (mappings stay valid): vLLM gives this process a few seconds to
+    # end, then SIGKILLs it. Each worker removes them too as it ends (on_exit),
+    # orphaned or not, and each node once its workers have ended.
+    remove_shm_named(node_shm_prefix(zbus.torch_port, 0))
+    # Failed: no worker may be there to answer. A step unanswered (it timed out):
+    # the answer would queue behind it, past the few seconds vLLM gives.
+    if zbus.failure.error is None and not zbus.unanswered:
+        try:
+            zbus.collective_rpc("shutdown", timeout=SHUTDOWN_RPC_S)
+        except (ZbusError, TimeoutError) as e:
+            log.warning("workers' shutdown: %s", e)
+    log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
+    zbus.shutdown()
+    log.info("zbus shut down in %.2f s", time.monotonic() - started)
 
 
 def _step_timeout() -> float:
