@@ -27,6 +27,13 @@ def zbus_segments() -> set[str]:
     return names - foreign_segments(names)
 
 
+def shm_used() -> int:
+    """Bytes /dev/shm holds, named or not: a segment whose name is gone holds its
+    memory until its last mapping goes (zbus reserves a segment's size at once)."""
+    st = os.statvfs(SHM)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
 def live_children(proc: psutil.Process) -> list[psutil.Process]:
     """``proc``'s descendants still running. One that exits while it is looked at
     is simply gone (psutil raises NoSuchProcess, or ZombieProcess, a subclass)."""

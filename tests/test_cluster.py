@@ -18,7 +18,7 @@ import psutil
 import pytest
 import workers
 import zmq
-from conftest import TEST_PATH, end_process, wait_until
+from conftest import TEST_PATH, end_process, wait_until, zbus_segments
 
 import zbus
 from zbus import codec
@@ -833,6 +833,26 @@ def test_a_failed_executor_ends_its_own_workers_and_every_nodes_named_memory():
         finally:
             for p in prefixes:
                 remove_shm_named(p)
+
+
+def test_a_node_whose_every_process_is_sigkilled_leaves_no_segment():
+    """Once call 1 has come (every worker of the cluster mapped its ring before),
+    a node's ring has no name: SIGKILLing its agent and its worker at once leaves
+    nothing in /dev/shm. Sabotage: no ``shm.unlink`` of the ring in
+    ``NodeAgent._tick`` -> the name stays."""
+    with leader_and_two_followers() as (ex, procs, node2):
+        agent = node2[0]
+
+        def named() -> set[str]:
+            return {n for n in zbus_segments() if n.split("-")[2] == str(agent.pid)}
+
+        assert named(), "node 2's ring is named while the cluster forms"
+        assert [r["rank"] for r in ex.collective_rpc("whoami", timeout=20)] == [0, 1, 2]
+        wait_until(lambda: not named(), 5, "node 2's ring without a name after call 1")
+        for p in node2:
+            p.kill()
+        assert psutil.wait_procs(node2, timeout=10)[1] == []
+        assert not named()
 
 
 def assert_node_2_ends_at_once(procs: list, node2: list, how: str) -> None:

@@ -13,7 +13,15 @@ import time
 import psutil
 import pytest
 import workers
-from conftest import end_process, live_children, own_segments, spawn_python, wait_until, zbus_segments
+from conftest import (
+    end_process,
+    live_children,
+    own_segments,
+    shm_used,
+    spawn_python,
+    wait_until,
+    zbus_segments,
+)
 from workers import EchoWorker
 
 import zbus
@@ -528,14 +536,19 @@ def test_inproc_backend_same_api():
 
 
 def test_shutdown_is_idempotent_and_frees_everything():
-    before = zbus_segments()
+    """The segments (broadcast ring, one response queue per worker) hold their
+    memory while the executor runs, without names once it has started; the
+    shutdown frees the memory."""
+    before, used = zbus_segments(), shm_used()
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
-    assert len(zbus_segments() - before) == 3  # broadcast ring + one response queue each
+    assert shm_used() - used >= ex._bcast.handle.size + 2 * ex._resp_handles[0].size - 2**20
+    assert zbus_segments() - before == set()
     procs = list(ex._workers.procs)
     ex.shutdown()
     ex.shutdown()
     assert all(p.poll() == 0 for p in procs)  # asked to stop: clean exit
     assert zbus_segments() - before == set()  # (other processes may remove theirs meanwhile)
+    assert shm_used() - used < 2**20
     with pytest.raises(zbus.ZbusError, match="shut down"):
         ex.collective_rpc("noop")
 
@@ -599,8 +612,14 @@ def test_shutdown_from_another_thread_gives_blocked_callers_a_zbus_error():
     assert all("shut down" in str(e) for e in errors.values()), errors
 
 
-def test_driver_sigkill_ends_workers_and_frees_shared_memory():
-    before = zbus_segments()
+@pytest.mark.parametrize("killed", ["driver", "every_process"])
+def test_driver_sigkill_ends_workers_and_frees_shared_memory(killed):
+    """SIGKILL the driver (its workers end and free what they map), or the driver
+    and its workers at once, as vLLM's server ends its engine's process tree:
+    nothing is left to remove a name, so none may be left. Sabotage: no
+    ``_unlink_names`` after the workers are ready in ``MultiprocExecutor._start``
+    -> ``[every_process]`` leaves the 3 names and their memory."""
+    before, used = zbus_segments(), shm_used()
     proc = spawn_python(
         "import zbus, workers, time\n"
         "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
@@ -608,17 +627,19 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory():
         "time.sleep(60)\n", stdout=subprocess.PIPE)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 2 and len(zbus_segments() - before) == 3
-        proc.send_signal(signal.SIGKILL)
+        assert len(pids) == 2 and shm_used() - used > 2**20
+        for pid in ([proc.pid, *pids] if killed == "every_process" else [proc.pid]):
+            os.kill(pid, signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and (
                 any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                    for p in pids) or zbus_segments() - before):
+                    for p in pids) or zbus_segments() - before or shm_used() - used >= 2**20):
             time.sleep(0.05)
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                        for p in pids)
         assert zbus_segments() - before == set()  # (other processes may remove theirs meanwhile)
+        assert shm_used() - used < 2**20
     finally:
         end_process(proc)
 

@@ -13,11 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import warnings
 
 import psutil
 import pytest
-from conftest import TEST_PATH, end_process, zbus_segments
+from conftest import TEST_PATH, describe, end_process, shm_used, zbus_segments
 
 from zbus.netns import NetnsCluster, unavailable
 
@@ -438,22 +439,96 @@ def test_worker_killed_during_generation_fails_the_engine_within_the_bound(tmp_p
     assert zbus_segments() - before == set()
 
 
-def test_an_engine_process_killed_by_vllm_leaves_no_segment(tmp_path):
-    """vLLM SIGKILLs an engine's process that is not gone 5 s after SIGTERM: its
-    orphaned workers remove zbus's rings and vLLM's CPU all-reduce segments, and
-    end. Sabotage: no ``on_exit`` run by an orphan (the all-reduce names stay)."""
-    before = zbus_segments()
+def named_shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.mark.parametrize("killed", ["engine", "every_process"])
+def test_an_engine_killed_leaves_no_segment(tmp_path, killed):
+    """While the engine generates, nothing it or its workers made in /dev/shm has a
+    name (zbus's rings, vLLM's CPU all-reduce and its group's message queue): the
+    memory is there, and freed whoever dies. ``[engine]``: vLLM SIGKILLs an
+    engine's process not gone 5 s after SIGTERM; its orphaned workers end.
+    ``[every_process]``: the engine and every process under it SIGKILLed at once,
+    as vLLM's server does at SIGTERM. Sabotage: no ``unlink_node_shm`` call in
+    ``ZbusExecutor._init_executor`` -> the all-reduce's and the queue's names stay
+    (both cases: the orphans remove only zbus's and the node's)."""
+    before, used = named_shm(), shm_used()
     with open(tmp_path / "engine.log", "w") as log:
         engine = Engine(ZBUS, "--tp", "2", "--tokens", "200", "--hold", log=log)
         try:
             workers = engine.workers_generating()
-            made = zbus_segments() - before
-            assert any("?zbus_node=" in n for n in made) and any(n.startswith("zbus-") for n in made)
-            workers[0].parent().send_signal(signal.SIGKILL)  # the engine's process
-            assert psutil.wait_procs(workers, timeout=15)[1] == []
-            assert zbus_segments() - before == set()
+            assert named_shm() - before == set()
+            assert shm_used() - used > 32 * 2**20  # zbus's ring of calls alone
+            core = workers[0].parent()  # the engine's process (the driver is vLLM's client)
+            if killed == "every_process":
+                doomed = [engine.proc, *engine.descendants()]
+                for p in doomed:
+                    p.send_signal(signal.SIGKILL)
+            else:
+                doomed = [core, *core.children(recursive=True)]
+                core.send_signal(signal.SIGKILL)
+            assert psutil.wait_procs(doomed, timeout=15)[1] == [], describe(doomed)
+            assert named_shm() - before == set()
+            assert shm_used() - used < 2**20
         finally:
             engine.close()
+
+
+def test_vllm_server_on_zbus_answers_and_leaves_nothing_at_sigterm(mp_tokens, tmp_path):
+    """vLLM's OpenAI server with ``--distributed-executor-backend
+    zbus.vllm.ZbusExecutor``: a completion gives the greedy tokens of vLLM's own
+    executor. At SIGTERM the server gives its engine no time and SIGKILLs every
+    process under it at once; nothing is left: no process, no name in /dev/shm,
+    no memory. Sabotage: no ``_unlink_names`` after start-up in
+    ``MultiprocExecutor._start`` -> zbus's three rings stay."""
+    from vllm_driver import PROMPTS
+
+    from zbus.cluster import free_port_pair
+    from zbus.vllm.bench import tiny_model
+
+    model, port = tiny_model(str(tmp_path)), free_port_pair()
+    before, used = named_shm(), shm_used()
+    # (the `vllm` command of vLLM's CPU build cannot find its own version: the module runs the same)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+            "--load-format", "dummy", "--skip-tokenizer-init", "--seed", "0", "--enforce-eager",
+            "--tensor-parallel-size", "2", "--max-model-len", "256", "--distributed-executor-backend", ZBUS]
+    with open(tmp_path / "server.log", "w") as log:
+        server = psutil.Popen(argv, env=dict(os.environ, **VLLM_ENV), stdout=log, stderr=log)
+        try:
+            wait_for_http(server, f"http://127.0.0.1:{port}/health", 240, log.name)
+            body = json.dumps({"model": model, "prompt": PROMPTS[0], "max_tokens": len(mp_tokens[0]),
+                               "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(),
+                                             {"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                assert json.load(answer)["choices"][0]["token_ids"] == mp_tokens[0]
+            assert named_shm() - before == set()
+            everyone = server.children(recursive=True)
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(30) == 0
+            assert psutil.wait_procs(everyone, timeout=15)[1] == [], describe(everyone)
+            assert named_shm() - before == set()
+            assert shm_used() - used < 2**20
+        finally:
+            end_process(server, 10)
+
+
+def wait_for_http(proc: psutil.Popen, url: str, timeout: float, log: str) -> None:
+    """Wait until ``url`` answers 200, or fail with the log's tail if ``proc`` ends."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log) as f:
+                raise AssertionError(f"the server ended ({proc.returncode}): {f.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} did not answer within {timeout} s")
 
 
 NETNS = unavailable()

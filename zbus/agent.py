@@ -161,6 +161,7 @@ class NodeAgent:
         self._backlog: collections.deque = collections.deque()
         self._backlog_bytes = 0
         self._last_seq = 0  # calls start at 1, once every node joined
+        self._ring_unnamed = False
         self._gap: dict | None = None  # calls lost in a reset connection, being sent again
         self._probes_seen: set[bytes] | None = set()
         self._death_r, self._death_w = os.pipe()
@@ -548,6 +549,12 @@ class NodeAgent:
             raise LeaderLost(f"leader {self.settings.master_addr} lost: no heartbeat for "
                              f"{now - self._last_leader:.1f} s")
         if now >= self._next_hb:
+            if self._last_seq and not self._ring_unnamed:
+                # Call 1 came after every worker of the cluster was ready: this node's
+                # have mapped the ring, so its name can go, and no end (a SIGKILL of
+                # every process of the node included) leaves it in /dev/shm.
+                shm.unlink(self.ring.name)
+                self._ring_unnamed = True
             if self.node_rank is not None:
                 # with the last call relayed: the leader may forget its copies up to it
                 self._send_to_leader(["hb", self.node_rank, self._last_seq], timeout=0.1)

@@ -624,6 +624,10 @@ class MultiprocExecutor(Executor):
                 deadline = deadline_of(self.startup_timeout)
             for rank in range(self.world_size):
                 self._await_ready(rank, deadline)
+            # Every process that maps this node's segments has them: the names can go,
+            # so that no end leaves them in /dev/shm, a SIGKILL of every process at
+            # once included (vLLM's server does that to its engine's process tree).
+            self._unlink_names()
             if self.metrics_port:
                 self._metrics_server = serve_prometheus(self.metrics, self.metrics_port,
                                                         resolve_ip(self.master_addr))
@@ -839,12 +843,9 @@ class MultiprocExecutor(Executor):
             self._closed = True
         self.failure.close()  # exits from now on are expected
         self._completer.stop()
-        # Names first: every process mapped them at start, and a driver killed while
-        # it waits for its workers below must not leave a name behind.
-        if self._bcast is not None and self._bcast.handle is not None:
-            shm.unlink(self._bcast.handle.name)
-        for h in self._resp_handles:
-            shm.unlink(h.name)
+        # Names first (gone already unless the start failed): a driver killed while it
+        # waits for its workers below must not leave a name behind.
+        self._unlink_names()
         sending = self._send_lock.acquire(timeout=1.0)
         if not sending:  # a caller is blocked sending: cancel it, it raises ZbusError
             self.failure.cancel_waits()
@@ -861,6 +862,12 @@ class MultiprocExecutor(Executor):
         finally:
             if sending:
                 self._send_lock.release()
+
+    def _unlink_names(self) -> None:
+        if self._bcast is not None and self._bcast.handle is not None:
+            shm.unlink(self._bcast.handle.name)
+        for h in self._resp_handles:
+            shm.unlink(h.name)
 
     def _stop_workers(self, can_send: bool) -> None:
         workers = self._workers

@@ -50,6 +50,7 @@ class ZbusExecutor(VllmExecutor):
         try:
             self.collective_rpc("init_worker", args=(self.vllm_config,))
             self.collective_rpc("init_device")
+            self.collective_rpc("unlink_node_shm")
             self.collective_rpc("load_model")
             set_torch_threads_for_runtime()  # as vLLM's own: this process only schedules
         except BaseException:

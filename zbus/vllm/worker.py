@@ -53,6 +53,17 @@ class VllmWorker(Worker):
         # atexit hooks, which may wait on a peer gone with the driver
         on_exit(functools.partial(remove_shm_named, os.environ[NODE_SHM_PREFIX_ENV]))
 
+    def unlink_node_shm(self) -> None:
+        """Remove the names of the shared memory vLLM's parallel groups made on this
+        node (the CPU all-reduce's segments, the message queues that broadcast to a
+        group) once every rank has mapped them (``init_device`` returned on all):
+        then no end, a SIGKILL of every process at once included, leaves them in
+        /dev/shm. (vLLM's own executor leaves them when its server is stopped.)"""
+        remove_shm_named(os.environ[NODE_SHM_PREFIX_ENV])
+        for buffer in created_queue_buffers():
+            buffer.shared_memory.unlink()  # (forgotten by multiprocessing's tracker too)
+            buffer.is_creator = False  # its __del__ would remove the name again
+
     def execute_model(self, scheduler_output: Any) -> Any:
         return self._output(self.wrapper.execute_model(scheduler_output))
 
@@ -90,6 +101,20 @@ class VllmWorker(Worker):
         if name.startswith("_") or name == "wrapper":
             raise AttributeError(name)
         return getattr(self.wrapper, name)
+
+
+def created_queue_buffers() -> list:
+    """The shared-memory rings of the message queues this process made to broadcast
+    to its parallel groups (vLLM's ``ShmRingBuffer``); none if vLLM keeps them
+    elsewhere than this version does."""
+    from vllm.distributed import parallel_state
+
+    buffers = []
+    for ref in list(getattr(parallel_state, "_groups", {}).values()):
+        buffer = getattr(getattr(ref(), "mq_broadcaster", None), "buffer", None)
+        if getattr(buffer, "is_creator", False) and hasattr(buffer, "shared_memory"):
+            buffers.append(buffer)
+    return buffers
 
 
 def device_index(local_rank: int) -> int:
