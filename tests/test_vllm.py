@@ -310,6 +310,38 @@ def test_only_the_rank_that_replies_makes_its_asynchronous_output_ready(wire):
     worker._outputs.shutdown()
 
 
+def test_the_output_thread_works_on_the_workers_device(wire, monkeypatch):
+    """The thread that makes asynchronous outputs ready sets the worker's device
+    first, as vLLM's own output thread: a thread does not inherit it (CUDA would
+    give it a context on device 0). Sabotage: no ``initializer`` for the thread
+    pool in ``VllmWorker._output`` -> ``set_device`` is never called there."""
+    import threading
+    import types
+
+    from vllm.platforms import current_platform
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    from zbus.vllm.worker import VllmWorker
+
+    seen = []
+
+    def set_device(cls, device):
+        seen.append((threading.current_thread().name, device))
+
+    monkeypatch.setattr(type(current_platform), "set_device", classmethod(set_device))
+
+    class Output(AsyncModelRunnerOutput):
+        def get_output(self):
+            return threading.current_thread().name
+
+    worker = VllmWorker.__new__(VllmWorker)  # (no vLLM worker inside: only the output's path)
+    worker._outputs, worker.replying = None, True
+    worker.wrapper = types.SimpleNamespace(device="the worker's device")
+    thread = worker._output(Output()).result(timeout=10)
+    worker._outputs.shutdown()
+    assert thread.startswith("zbus-vllm-output") and seen == [(thread, "the worker's device")]
+
+
 def test_the_executor_says_it_failed_for_good():
     """vLLM's fault tolerance asks ``is_failed`` to tell a dead engine from one it
     may recover: a zbus failure is for good. Sabotage: no ``is_failed`` (vLLM

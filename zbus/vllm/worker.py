@@ -93,9 +93,20 @@ class VllmWorker(Worker):
             return None
         if isinstance(output, AsyncModelRunnerOutput):
             if self._outputs is None:  # (async scheduling) one thread keeps them in order
-                self._outputs = concurrent.futures.ThreadPoolExecutor(1, "zbus-vllm-output")
+                self._outputs = concurrent.futures.ThreadPoolExecutor(
+                    1, "zbus-vllm-output", initializer=self._on_this_device)
             return self._outputs.submit(output.get_output)
         return output
+
+    def _on_this_device(self) -> None:
+        """Make this thread work on the worker's device, as vLLM's own output thread
+        does: a thread does not inherit it, and a CUDA call would make it a context
+        on device 0."""
+        from vllm.platforms import current_platform
+
+        device = getattr(getattr(self, "wrapper", None), "device", None)
+        if device is not None:
+            current_platform.set_device(device)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name == "wrapper":
