@@ -82,7 +82,24 @@ class Engine:
         return workers
 
     def close(self) -> None:
-        end_process(self.proc, 30)
+        end_tree(self.proc, 30)
+
+
+def end_tree(proc: psutil.Popen, timeout: float) -> None:
+    """End ``proc`` (wait, then kill), then whatever it started that outlives it,
+    by pid: vLLM's engine process outlives a client that died without shutting it
+    down, and keeps its workers (a failed test would leave them running)."""
+    try:
+        tree = proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    end_process(proc, timeout)
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert psutil.wait_procs(tree, timeout=15)[1] == [], describe(tree)
 
 
 # --- the wire: vLLM's types as typed msgpack -------------------------------------------
@@ -543,7 +560,7 @@ def test_vllm_server_on_zbus_answers_and_leaves_nothing_at_sigterm(mp_tokens, tm
             assert named_shm() - before == set()
             assert shm_used() - used < 2**20
         finally:
-            end_process(server, 10)
+            end_tree(server, 10)
 
 
 def wait_for_http(proc: psutil.Popen, url: str, timeout: float, log: str) -> None:
