@@ -18,11 +18,12 @@ import psutil
 import pytest
 import workers
 import zmq
-from conftest import TEST_PATH, end_process, wait_until, zbus_segments
+from conftest import TEST_PATH, end_process, shm_used, wait_until, zbus_segments
 
 import zbus
 from zbus import codec
 from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, free_port_pair, node_topic
+from zbus.config import RingGeometry
 from zbus.processes import node_shm_prefix, remove_shm_named
 
 
@@ -245,6 +246,7 @@ def test_explicit_settings_win_over_defaults_and_bad_ones_are_refused(monkeypatc
 JOIN_AND_HANG = """
 import sys, time, zmq
 from zbus import codec
+from zbus.config import RingGeometry
 from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, node_topic
 from zbus.protocol import PROTOCOL_VERSION
 port, node_id = int(sys.argv[1]), "e" * 16
@@ -814,7 +816,7 @@ def test_a_failed_executor_ends_its_own_workers_and_every_nodes_named_memory():
     SIGKILLed. Without a shutdown, the leader's own worker ends as node 2's does,
     and both nodes' names are gone. Sabotage: no stop of the workers in
     ``MultiprocExecutor._on_failure``: rank 0 spins until shutdown; no
-    ``remove_shm_named`` in ``LocalWorkers.stop``: the names stay."""
+    ``remove_shm_named`` in ``LocalWorkers.stop`` and ``kill``: the names stay."""
     with leader_and_two_followers() as (ex, procs, node2):
         prefixes = [node_shm_prefix(ex.torch_port, n) for n in range(3)]
         try:
@@ -849,10 +851,14 @@ def test_a_node_whose_every_process_is_sigkilled_leaves_no_segment():
         assert named(), "node 2's ring is named while the cluster forms"
         assert [r["rank"] for r in ex.collective_rpc("whoami", timeout=20)] == [0, 1, 2]
         wait_until(lambda: not named(), 5, "node 2's ring without a name after call 1")
+        used = shm_used()
         for p in node2:
             p.kill()
         assert psutil.wait_procs(node2, timeout=10)[1] == []
-        assert not named()
+        # its memory went with its processes (before the leader's liveness limit
+        # fails the executor and the other nodes free theirs)
+        calls = RingGeometry.from_env(calls=True)
+        assert used - shm_used() >= calls.chunk_bytes * calls.n_chunks - 2**20
 
 
 def assert_node_2_ends_at_once(procs: list, node2: list, how: str) -> None:

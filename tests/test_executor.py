@@ -326,6 +326,19 @@ def test_a_non_blocking_call_fails_by_itself_at_its_timeout(ex):
     assert ex.collective_rpc("rank_value", args=(8,), timeout=10) == [80, 81]
 
 
+def test_overdue_counts_the_calls_past_their_timeout_not_those_pending(ex):
+    """``overdue``: calls whose timeout passed without all their replies (a worker
+    stuck: later replies queue behind them), not calls merely pending. Sabotage:
+    ``overdue`` as the number of pending calls -> 1 for the pending call."""
+    pending = ex.collective_rpc("sleep", args=(1.0,), non_block=True, timeout=30)
+    assert ex.overdue == 0
+    with pytest.raises(TimeoutError):
+        ex.collective_rpc("sleep", args=(0.5,), timeout=0.2)
+    assert ex.overdue == 1
+    assert pending.result(timeout=10) == [0, 1]
+    assert ex.collective_rpc("rank_value", args=(5,), timeout=10) == [50, 51] and ex.overdue == 0
+
+
 def test_a_non_blocking_call_times_out_while_a_blocking_caller_waits_for_ever(ex):
     """A blocking call without a timeout holds the replies while it waits; a
     non-blocking call queued before it still fails at its own timeout. Sabotage:
@@ -430,6 +443,34 @@ def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
         late = []
         ex.register_failure_callback(lambda: late.append(True))
         assert late == [True]
+    finally:
+        ex.shutdown()
+    assert not ex._workers.alive()
+
+
+def test_a_shutdown_from_a_failure_callback_does_not_wait_on_the_failures_own_stop(tmp_path):
+    """A worker dies; a failure callback, run by the thread that watches the
+    workers, shuts the executor down while the failure's own stop of the workers
+    (rank 1 deaf to SIGTERM: SIGKILLed 2.2 s later) joins that same thread. The
+    shutdown ends with the workers, not 5 s later. Sabotage: ``LocalWorkers.close``
+    joining the watcher while it holds its lock -> 7.5 s."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    took = []
+
+    def shut_down():
+        t0 = time.monotonic()
+        ex.shutdown()
+        took.append(time.monotonic() - t0)
+
+    try:
+        ex.register_failure_callback(shut_down)
+        mark = tmp_path / "deaf"
+        ex.collective_rpc("stubborn_sleep_marked", args=(str(mark), 60), non_block=True)
+        wait_until(lambda: os.path.exists(f"{mark}.0") and os.path.exists(f"{mark}.1"), 30,
+                   "both workers deaf to SIGTERM")
+        ex._workers.procs[0].kill()
+        wait_until(lambda: took, 20, "the shutdown from the failure callback")
+        assert took[0] < 4.5, f"the shutdown took {took[0]:.1f} s"
     finally:
         ex.shutdown()
     assert not ex._workers.alive()

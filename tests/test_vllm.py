@@ -382,7 +382,7 @@ def test_shutdown_does_not_wait_behind_a_step_that_timed_out():
     """A step timed out and its worker is still in it: the shutdown does not ask
     the workers to shut vLLM down (their answer would come after that step's),
     and ends within vLLM's 5 s plus the stop's grace. Sabotage: no
-    ``zbus.unanswered`` check in ``ZbusExecutor.shutdown`` -> it waits out the
+    ``zbus.overdue`` check in ``ZbusExecutor.shutdown`` -> it waits out the
     shutdown call's 3 s first (over 8 s)."""
     import zbus
     from zbus.vllm.executor import ZbusExecutor
@@ -392,7 +392,7 @@ def test_shutdown_does_not_wait_behind_a_step_that_timed_out():
     try:
         with pytest.raises(TimeoutError):
             adapter._zbus.collective_rpc("sleep", args=(30,), timeout=0.5)
-        assert adapter._zbus.unanswered == 1
+        assert adapter._zbus.overdue == 1
         start = time.monotonic()
         adapter.shutdown()
         assert time.monotonic() - start < 7.5

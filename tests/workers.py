@@ -107,6 +107,12 @@ class EchoWorker(zbus.Worker):
         open(f"/dev/shm/{os.environ['ZBUS_NODE_SHM_PREFIX']}{name}", "w").close()
         return self.stubborn_sleep(seconds)
 
+    def stubborn_sleep_marked(self, path, seconds):
+        """``stubborn_sleep``, once ``path.<rank>`` is made (deaf to SIGTERM by then)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(f"{path}.{self.rank}", "w").close()
+        return self.stubborn_sleep(seconds)
+
     def die(self, rank=None, how="kill"):
         if rank is None or rank == self.rank:
             if how == "abort":

@@ -58,10 +58,11 @@ class Call:
     which fails with TimeoutError at the call's ``deadline`` if it has one."""
 
     __slots__ = ("executor", "seq", "reply_ranks", "unique", "replies", "started", "outcome", "future",
-                 "deadline")
+                 "deadline", "due")
 
     def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool,
-                 future: RpcFuture | None = None, deadline: float | None = None):
+                 future: RpcFuture | None = None, deadline: float | None = None,
+                 due: float | None = None):
         self.executor = executor
         self.seq = seq
         self.reply_ranks = list(reply_ranks)
@@ -70,7 +71,8 @@ class Call:
         self.started = time.perf_counter()
         self.outcome: tuple[bool, Any] | None = None  # (ok, the value or the error)
         self.future = future
-        self.deadline = deadline
+        self.deadline = deadline  # a non-blocking call's: its future fails then
+        self.due = due  # the caller's deadline, blocking or not
         if future is not None:
             future._call, future.seq, future.reply_ranks = self, seq, self.reply_ranks
 
@@ -291,10 +293,11 @@ class Executor:
         self.failure.raise_if_failed()
 
     @property
-    def unanswered(self) -> int:
-        """Calls sent whose replies have not all come (one that timed out included:
-        the replies of later calls queue behind it)."""
-        return len(getattr(self, "_pending", ()))
+    def overdue(self) -> int:
+        """Calls past their timeout whose replies have not all come (a worker stuck
+        in one): the replies of any later call queue behind them."""
+        now = time.monotonic()
+        return sum(1 for c in list(getattr(self, "_pending", ())) if c.due is not None and c.due <= now)
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once when the executor fails (at once if it has)."""
@@ -719,7 +722,7 @@ class MultiprocExecutor(Executor):
                                              len(payload), self._answered), *payload]
             # the future exists before the call is sent: whoever reads the replies completes it
             call = Call(self, self._seq, ranks, unique, RpcFuture() if non_block else None,
-                        deadline if non_block else None)
+                        deadline if non_block else None, deadline)
             self._pending.append(call)
             self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
             try:

@@ -105,6 +105,7 @@ class LocalWorkers:
         self.stopping = False
         self._shm_prefix = node_shm_prefix(master_port, places[0]["node_rank"])
         self._close_lock = threading.Lock()
+        self._closing = False
         pidfds: list[int] = []
         try:
             for place, resp in zip(places, responses):
@@ -192,12 +193,13 @@ class LocalWorkers:
         remove_shm_named(self._shm_prefix)
 
     def close(self) -> None:
-        with self._close_lock:
-            if self._death_w < 0:
+        with self._close_lock:  # the first caller closes, the others return at once:
+            if self._closing:  # it may be joining the watcher thread that calls here
                 return
-            os.write(self._stop_w, b"x")
-            if hasattr(self, "_thread") and self._thread is not threading.current_thread():
-                self._thread.join(5)  # (a failure callback may call shutdown on this thread)
-            for fd in (self._death_w, self._stop_r, self._stop_w):
-                os.close(fd)
-            self._death_w = -1
+            self._closing = True
+        os.write(self._stop_w, b"x")
+        if hasattr(self, "_thread") and self._thread is not threading.current_thread():
+            self._thread.join(5)  # (a failure callback may call shutdown on this thread)
+        for fd in (self._death_w, self._stop_r, self._stop_w):
+            os.close(fd)
+        self._death_w = -1

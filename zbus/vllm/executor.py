@@ -61,9 +61,11 @@ class ZbusExecutor(VllmExecutor):
 
     def _attach(self, zbus: Executor) -> None:
         """Run on ``zbus`` from now on. It is shut down by :meth:`shutdown`, or when
-        this executor is collected or the process exits, as vLLM's own executor
-        is: vLLM does not shut down an engine whose start failed after its
-        executor was built (its KV cache did not fit, say)."""
+        this executor is collected or, at the latest, when the process exits, as
+        vLLM's own executor is: vLLM does not shut down an engine whose start
+        failed after its executor was built (its KV cache did not fit, say). (In
+        vLLM's engine the failure callback it registers keeps this executor alive:
+        then at exit.)"""
         self._zbus = zbus
         self._finalizer = weakref.finalize(self, _shutdown, zbus)
 
@@ -156,9 +158,9 @@ def _shutdown(zbus: Executor) -> None:
     # end, then SIGKILLs it. Each worker removes them too as it ends (on_exit),
     # orphaned or not, and each node once its workers have ended.
     remove_shm_named(node_shm_prefix(zbus.torch_port, 0))
-    # Failed: no worker may be there to answer. A step unanswered (it timed out):
-    # the answer would queue behind it, past the few seconds vLLM gives.
-    if zbus.failure.error is None and not zbus.unanswered:
+    # Failed: no worker may be there to answer. A step past its timeout (a worker
+    # stuck in it): the answer would queue behind it, past the few seconds vLLM gives.
+    if zbus.failure.error is None and not zbus.overdue:
         try:
             zbus.collective_rpc("shutdown", timeout=SHUTDOWN_RPC_S)
         except (ZbusError, TimeoutError) as e:
