@@ -24,7 +24,8 @@ import zbus
 from zbus import codec
 from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, free_port_pair, node_topic
 from zbus.config import RingGeometry
-from zbus.processes import node_shm_prefix, remove_shm_named
+from zbus.processes import node_shm_prefix
+from zbus.shm import unlink_prefixed
 
 
 def follower(port: int, *args: str, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
@@ -816,7 +817,7 @@ def test_a_failed_executor_ends_its_own_workers_and_every_nodes_named_memory():
     SIGKILLed. Without a shutdown, the leader's own worker ends as node 2's does,
     and both nodes' names are gone. Sabotage: no stop of the workers in
     ``MultiprocExecutor._on_failure``: rank 0 spins until shutdown; no
-    ``remove_shm_named`` in ``LocalWorkers.stop`` and ``kill``: the names stay."""
+    ``shm.unlink_prefixed`` in ``LocalWorkers.stop`` and ``kill``: the names stay."""
     with leader_and_two_followers() as (ex, procs, node2):
         prefixes = [node_shm_prefix(ex.torch_port, n) for n in range(3)]
         try:
@@ -834,7 +835,7 @@ def test_a_failed_executor_ends_its_own_workers_and_every_nodes_named_memory():
                        5, "the nodes' names removed once their workers ended")
         finally:
             for p in prefixes:
-                remove_shm_named(p)
+                unlink_prefixed(p)
 
 
 def test_a_node_whose_every_process_is_sigkilled_leaves_no_segment():

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable
 
+from . import shm
+
 log = logging.getLogger(__name__)
 KILL_WAIT_S = 10.0  # how long a SIGKILLed worker is waited for before it is left behind
 # Workers learn their node's prefix of shared-memory names here: what they name
@@ -29,20 +31,6 @@ def node_shm_prefix(master_port: int, node_rank: int) -> str:
     ``tcp://host:port?zbus_node=N`` plus '-', which is how vLLM's CPU all-reduce
     names its segments (see :func:`zbus.vllm.worker.distributed_init_method`)."""
     return f"{int(master_port)}?zbus_node={int(node_rank)}-"
-
-
-def remove_shm_named(prefix: str) -> None:
-    """Remove every /dev/shm name that starts with ``prefix`` (those in use stay
-    mapped where they are)."""
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass
 
 
 def _visible_gpus() -> list[str]:
@@ -176,7 +164,7 @@ class LocalWorkers:
             if not self.wait(term_s):
                 self.kill()
         self.close()
-        remove_shm_named(self._shm_prefix)
+        shm.unlink_prefixed(self._shm_prefix)
 
     def kill(self) -> None:
         self.stopping = True
@@ -190,7 +178,7 @@ class LocalWorkers:
             except subprocess.TimeoutExpired:
                 log.error("worker pid %d did not end %.0f s after SIGKILL: left to the system",
                           p.pid, KILL_WAIT_S)
-        remove_shm_named(self._shm_prefix)
+        shm.unlink_prefixed(self._shm_prefix)
 
     def close(self) -> None:
         with self._close_lock:  # the first caller closes, the others return at once:

@@ -118,6 +118,20 @@ def unlink(name: str) -> None:
         pass
 
 
+def unlink_prefixed(prefix: str) -> None:
+    """Remove every name in /dev/shm that starts with ``prefix`` (those in use stay
+    mapped where they are)."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+
+
 class Segment:
     """A mapped shared-memory segment. ``create`` reserves the memory up front, so
     a full /dev/shm fails here with a clear message instead of a SIGBUS later."""

@@ -14,7 +14,8 @@ from vllm.v1.executor.abstract import Executor as VllmExecutor
 from .. import Executor
 from ..cluster import ClusterSettings
 from ..errors import ZbusError
-from ..processes import node_shm_prefix, remove_shm_named
+from ..processes import node_shm_prefix
+from ..shm import unlink_prefixed
 from .wire import load_wire_modules
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class ZbusExecutor(VllmExecutor):
             set_torch_threads_for_runtime()  # as vLLM's own: this process only schedules
         except BaseException:
             self._finalizer.detach()  # no worker may be there to answer a shutdown call
-            remove_shm_named(node_shm_prefix(self._zbus.torch_port, 0))
+            unlink_prefixed(node_shm_prefix(self._zbus.torch_port, 0))
             self._zbus.shutdown()
             raise
 
@@ -157,7 +158,7 @@ def _shutdown(zbus: Executor) -> None:
     # Names first (mappings stay valid): vLLM gives this process a few seconds to
     # end, then SIGKILLs it. Each worker removes them too as it ends (on_exit),
     # orphaned or not, and each node once its workers have ended.
-    remove_shm_named(node_shm_prefix(zbus.torch_port, 0))
+    unlink_prefixed(node_shm_prefix(zbus.torch_port, 0))
     # Failed: no worker may be there to answer. A step past its timeout (a worker
     # stuck in it): the answer would queue behind it, past the few seconds vLLM gives.
     if zbus.failure.error is None and not zbus.overdue:

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..cluster import resolve_ip, route_to
 from ..errors import ZbusError
-from ..processes import NODE_SHM_PREFIX_ENV, node_shm_prefix, remove_shm_named
+from ..processes import NODE_SHM_PREFIX_ENV, node_shm_prefix
+from ..shm import unlink_prefixed
 from ..worker import Worker, on_exit
 from .wire import load_wire_modules
 
@@ -51,7 +52,7 @@ class VllmWorker(Worker):
         self.wrapper.init_worker(kwargs)
         # by every worker, as any of them may be the one killed; before vLLM's own
         # atexit hooks, which may wait on a peer gone with the driver
-        on_exit(functools.partial(remove_shm_named, os.environ[NODE_SHM_PREFIX_ENV]))
+        on_exit(functools.partial(unlink_prefixed, os.environ[NODE_SHM_PREFIX_ENV]))
 
     def unlink_node_shm(self) -> None:
         """Remove the names of the shared memory vLLM's parallel groups made on this
@@ -59,7 +60,7 @@ class VllmWorker(Worker):
         group) once every rank has mapped them (``init_device`` returned on all):
         then no end, a SIGKILL of every process at once included, leaves them in
         /dev/shm. (vLLM's own executor leaves them when its server is stopped.)"""
-        remove_shm_named(os.environ[NODE_SHM_PREFIX_ENV])
+        unlink_prefixed(os.environ[NODE_SHM_PREFIX_ENV])
         for buffer in created_queue_buffers():
             buffer.shared_memory.unlink()  # (forgotten by multiprocessing's tracker too)
             buffer.is_creator = False  # its __del__ would remove the name again
