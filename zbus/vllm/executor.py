@@ -56,7 +56,7 @@ class ZbusExecutor(VllmExecutor):
             set_torch_threads_for_runtime()  # as vLLM's own: this process only schedules
         except BaseException:
             self._finalizer.detach()  # no worker may be there to answer a shutdown call
-            unlink_prefixed(node_shm_prefix(self._zbus.torch_port, 0))
+            # (its stop also removes the names the workers made: see LocalWorkers)
             self._zbus.shutdown()
             raise
 
