@@ -34,6 +34,38 @@ def shm_used() -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+# Every process this run starts inherits this mark in its environment, so the guard
+# also finds one that outlived its parent and was reparented to init, out of reach
+# of ``children()`` (a double fork, or an engine left behind by a client that died).
+RUN_MARK = f"ZBUS_TEST_RUN={os.getpid()}-{time.time_ns()}"
+os.environ["ZBUS_TEST_RUN"] = RUN_MARK.partition("=")[2]
+
+
+def marked_processes() -> list[psutil.Process]:
+    """Processes other than this one started with this run's mark, wherever they
+    are in the process tree (a zombie's environment reads empty: not counted)."""
+    mark = RUN_MARK.encode() + b"\0"
+    out = []
+    for pid in psutil.pids():
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read():
+                    out.append(psutil.Process(pid))
+        except (OSError, psutil.Error):  # gone meanwhile, or not ours to read
+            pass
+    return out
+
+
+def leftover_processes() -> list[psutil.Process]:
+    """This process's live descendants and any other process of this run."""
+    seen = {p.pid: p for p in live_children(psutil.Process())}
+    for p in marked_processes():
+        seen.setdefault(p.pid, p)
+    return list(seen.values())
+
+
 def live_children(proc: psutil.Process) -> list[psutil.Process]:
     """``proc``'s descendants still running. One that exits while it is looked at
     is simply gone (psutil raises NoSuchProcess, or ZombieProcess, a subclass)."""
@@ -60,10 +92,12 @@ def describe(procs: list[psutil.Process]) -> list:
 
 def foreign_segments(names: set[str]) -> set[str]:
     """Those of ``names`` whose creator (``zbus-<pidns>-<pid>-...``) is alive and is
-    neither this process nor one of its descendants: another run's, on a shared
+    neither this process, one of its descendants nor one of this run's (an
+    orphan, :func:`marked_processes`): another run's, on a shared
     machine. A segment a test leaked has a creator that is dead (counted) or a
     child still running (the guard's child check names it)."""
-    mine = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+    mine = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True)),
+            *(p.pid for p in marked_processes())}
     out = set()
     for n in names:
         parts = n.split("-")
@@ -99,10 +133,9 @@ if MUTATION_RUN:
 def no_leftovers():
     before = zbus_segments()
     yield
-    me = psutil.Process()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        children = live_children(me)
+        children = leftover_processes()
         left = zbus_segments() - before
         if MUTATION_RUN:
             left = own_segments(left)

@@ -4,9 +4,18 @@ nor count another run's segments, and must count a leak."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 import psutil
-from conftest import describe, foreign_segments, live_children, spawn_python
+from conftest import (
+    describe,
+    foreign_segments,
+    leftover_processes,
+    live_children,
+    marked_processes,
+    spawn_python,
+    wait_until,
+)
 
 
 def test_leftover_check_tolerates_children_that_exit_meanwhile():
@@ -20,6 +29,48 @@ def test_leftover_check_tolerates_children_that_exit_meanwhile():
     finally:
         if proc.is_running():
             proc.kill()
+
+
+ORPHAN = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+os._exit(0)  # leave the sleeper to init, as a crashed parent would
+"""
+
+
+def environ(pid: int) -> bytes:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
+
+
+def test_an_orphan_of_this_run_is_a_leftover_and_its_segments_are_ours():
+    """A process whose parent exited is reparented to init, out of ``children()``'s
+    sight: the guard finds it by this run's mark in its environment. Sabotage:
+    ``leftover_processes`` returns only ``live_children`` (the orphan is missed),
+    or ``marked_processes`` looks for ``ZBUS_TEST_RUN=`` alone (another run's
+    process is counted)."""
+    parent = spawn_python(ORPHAN, stdout=subprocess.PIPE, text=True)
+    orphan = None
+    try:
+        orphan = psutil.Process(int(parent.stdout.readline()))
+        assert parent.wait(30) == 0
+        wait_until(lambda: orphan.ppid() != parent.pid, 10, "the orphan reparented")
+        assert orphan.pid not in {c.pid for c in live_children(psutil.Process())}
+        assert orphan.pid in {p.pid for p in leftover_processes()}
+        assert foreign_segments({f"zbus-1-{orphan.pid}-1-0"}) == set()
+    finally:
+        parent.stdout.close()
+        if orphan is not None:
+            orphan.kill()
+            orphan.wait(10)
+    other_run = psutil.Popen(["sleep", "30"], env=dict(os.environ, ZBUS_TEST_RUN="another-run"))
+    try:  # a process of another run on the machine is not this run's
+        wait_until(lambda: environ(other_run.pid), 10, "sleep's environment set up by exec")
+        assert other_run.pid not in {p.pid for p in marked_processes()}
+    finally:
+        other_run.kill()
+        other_run.wait(10)
 
 
 def test_segments_of_another_live_run_are_not_counted_but_leaks_are():
