@@ -523,6 +523,36 @@ def wait_dropped(ex, at_least: int, timeout: float = 20) -> int:
     return ex._leader.dropped
 
 
+def test_a_reply_whose_status_is_no_int_is_dropped_and_the_call_completes():
+    """A reply of the right shape for the call in flight whose status is a numpy
+    array (its ``==`` has no truth value) is dropped as ``shape``; the call gets
+    the real replies and the executor serves on. Sabotage: drop the status's type
+    check in ``DataPath._file_reply`` (and in ``Call.finish``): the call's finish
+    raises ValueError on the completer, which fails the executor."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    ctx = zmq.Context()
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, join_timeout=60) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            before = ex._leader.dropped_by.get("shape", 0)
+            fut = ex.collective_rpc("sleep", args=(1.0,), timeout=30, non_block=True)
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(f"tcp://127.0.0.1:{port + 1}")
+            push.send_multipart(codec.encode([1, fut.seq, np.array([0, 0]), "forged"]))
+            wait_until(lambda: ex._leader.dropped_by.get("shape", 0) > before, 20, "the forged reply dropped")
+            assert fut.result(30) == [0, 1]
+            ex.check_health()
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+            push.close()
+        assert proc.wait(30) == 0
+    finally:
+        ctx.destroy(linger=0)
+        end_process(proc)
+
+
 def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     """Node 2's key sends a reply, a death notice, a heartbeat, a gap report and a
     leaving notice for node 1 (rank 1), and a reply for rank 1 that cannot be

@@ -461,8 +461,8 @@ class DataPath:
         if receiver is None or len(msg) != 4:
             self.drop(f"a reply for unknown rank {rank!r}", "unknown-rank")
             return
-        if type(msg[1]) is not int:
-            self.drop(f"a reply of rank {rank} without a call number", "shape")
+        if type(msg[1]) is not int or type(msg[2]) is not int:  # (an array's == has no truth value)
+            self.drop(f"a reply of rank {rank} without a call number or an int status", "shape")
             return
         with self.cond:
             if not receiver.expects(msg[1]):

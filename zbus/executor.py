@@ -84,6 +84,8 @@ class Call:
         values = []
         for rank in self.reply_ranks:
             status, value = self.replies[rank]
+            if type(status) is not int:  # compared below: an array's == has no truth value
+                status = None
             if status == protocol.OK:
                 values.append(value)
             elif status == protocol.REFUSED:
