@@ -553,6 +553,46 @@ def test_a_reply_whose_status_is_no_int_is_dropped_and_the_call_completes():
         end_process(proc)
 
 
+def test_a_follower_ignores_an_answer_to_its_join_that_holds_an_array():
+    """A posing leader answers the join with ``[<array>, {}]``, then with a proper
+    ``reject``: the agent ignores the first (as security.md says of the wrong
+    shape) and ends on the second. Sabotage: drop the plain-items check in
+    ``NodeAgent._decode``: ``msg[0] == "welcome"`` raises ValueError out of
+    ``run()``, which the agent dies of."""
+    from zbus.agent import NodeAgent
+
+    port = free_port_pair()
+    ctx = zmq.Context()
+    xpub, pull = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
+    xpub.bind(f"tcp://127.0.0.1:{port}")
+    pull.bind(f"tcp://127.0.0.1:{port + 1}")
+    agent = NodeAgent(master_addr="127.0.0.1", master_port=port, nproc_per_node=1, join_timeout=20)
+    out = {}
+
+    def run():
+        try:
+            out["rc"] = agent.run()
+        except BaseException as e:  # noqa: BLE001 - what ended the agent is the result
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert pull.poll(10_000)
+        topic = b"N" + codec.decode(pull.recv_multipart())[1].encode()
+        wait_until(lambda: xpub.poll(100) and xpub.recv() == b"\x01" + topic, 10, "the node topic subscribed")
+        xpub.send_multipart([topic, *codec.encode([np.array([1, 2]), {}])])
+        xpub.send_multipart([topic, *codec.encode(["reject", "a marker"])])
+        thread.join(15)
+        assert not thread.is_alive()
+        assert out == {"rc": 1}, out  # refused (within 15 s: not its join timeout of 20 s)
+    finally:
+        thread.join(25)
+        xpub.close(0)
+        pull.close(0)
+        ctx.term()
+
+
 def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     """Node 2's key sends a reply, a death notice, a heartbeat, a gap report and a
     leaving notice for node 1 (rank 1), and a reply for rank 1 that cannot be

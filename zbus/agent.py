@@ -44,6 +44,7 @@ from .queues import bracket, send_message
 from .ring import RingWriter
 
 log = logging.getLogger(__name__)
+_PLAIN = (str, int, float, bool, type(None), bytes, list, dict, tuple)  # what control messages hold
 
 
 BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BYTES)
@@ -587,11 +588,18 @@ class NodeAgent:
         return frames[0].bytes, self._decode([f.buffer for f in frames[1:]])
 
     def _decode(self, frames: list) -> Any:
+        """A control message of plain items, or None. The leader sends no arrays or
+        tensors here, and one would fail the comparisons that read the message
+        (their ``==`` has no truth value)."""
         try:
-            return codec.decode(frames)
+            msg = codec.decode(frames)
         except CodecError as e:
             log.warning("dropped a malformed control message: %s", e)
             return None
+        if type(msg) is list and not all(type(x) in _PLAIN for x in msg):
+            log.warning("dropped a control message with an item of no plain type")
+            return None
+        return msg
 
     def _close(self) -> None:
         if self.workers is not None:
