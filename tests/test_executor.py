@@ -25,6 +25,7 @@ from conftest import (
 from workers import EchoWorker
 
 import zbus
+from zbus import protocol
 from zbus.ring import RingReader
 
 
@@ -803,6 +804,28 @@ def test_tensor_parallel_example_runs():
                         f"runpy.run_path('{example}', run_name='__main__')", stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and out.count(b"matches the single-process reference") == 3
+
+
+@pytest.mark.parametrize("payload", [[], [protocol.NO_ARGS]], ids=["arguments_undecodable", "no_arguments"])
+def test_a_method_name_nested_deep_is_refused_not_the_end_of_the_worker(payload):
+    """A call whose method is a list nested 1000 deep (1 KiB, an envelope
+    ``read_envelope`` takes) is answered REFUSED, its name in a bounded repr, with
+    arguments that cannot be decoded or none. Sabotage: name it with ``{method!r}``
+    in ``handle``'s decode error, or ``{name!r}`` in ``resolve_method``: the repr
+    raises RecursionError out of ``handle``, and the worker ends."""
+    from zbus import codec
+    from zbus.worker import ReplyPipe, handle
+
+    worker = workers.EchoWorker.__new__(workers.EchoWorker)
+    worker.rank = 0
+    sent: list = []
+    replies = ReplyPipe(sent.append, lambda seq: None)
+    method = b"\x91" * 1000 + b"\xa1m"  # [[[...["m"]...]]]
+    envelope = b"\x96\x01\x07" + method + b"\xff" + bytes([len(payload)]) + b"\x00"
+    assert protocol.read_envelope(envelope)[:2] == [protocol.CALL, 7]
+    assert handle(worker, [envelope, *payload], replies, False)
+    [(seq, status, error)] = [codec.decode(codec.encode(r)) for r in sent]
+    assert (seq, status) == (7, protocol.REFUSED) and "[[[" in error.message, error
 
 
 def test_worker_message_handling_byte_for_byte():

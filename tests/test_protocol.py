@@ -161,12 +161,14 @@ UNDECODABLE, UNFIT = "cannot decode the part counts", "do not fit"
     (packed([1, True]), 2, UNFIT),           # a bool is not a count
     (packed([1, 2]), 2, UNFIT),              # more parts counted than sent
     (packed([1, 1]), 3, UNFIT),              # fewer
+    (b"\x91" * 1000 + b"\x01", 1, UNFIT),    # nested 1000 deep: named in a bounded repr
 ])
 def test_part_counts_that_do_not_fit_are_refused(counts, nparts, why):
     """A node's relay is given counts from the network: whatever they are, the
     answer is the frames or a :class:`CodecError`, never a wrong split or another
     exception. Sabotage: drop a clause of the fit check (``n > 0``, ``type(n) is
     int``, the sum) or the ``max_array_len`` bound -> the matching case passes or
-    raises something else."""
+    raises something else; name the counts with ``str`` -> the deep case raises
+    RecursionError (which the agent did not catch)."""
     with pytest.raises(zbus.CodecError, match=why):
         protocol.from_parts(counts, [b"p"] * nparts)

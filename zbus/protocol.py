@@ -112,7 +112,7 @@ def from_parts(counts_frame: Any, parts: list) -> list:
         raise CodecError(f"cannot decode the part counts: {type(e).__name__}: {e}") from None
     if not (type(counts) is list and counts and all(type(n) is int and n > 0 for n in counts)
             and sum(counts) == len(parts)):
-        raise CodecError(f"part counts {str(counts)[:100]} do not fit {len(parts)} parts")
+        raise CodecError(f"part counts {reprlib.repr(counts)} do not fit {len(parts)} parts")
     frames, at = [], 0
     for n in counts:
         frames.append(parts[at] if n == 1 else tuple(parts[at:at + n]))

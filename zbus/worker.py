@@ -84,7 +84,7 @@ def build_worker(spec: dict, place: dict) -> Worker:
 def resolve_method(worker: Any, name: Any, allow_import: bool) -> Callable[..., Any]:
     """The callable for RPC ``name``; ZbusError if unknown or refused."""
     if type(name) is not str or not name:
-        raise ZbusError(f"method name must be a non-empty string, got {name!r}")
+        raise ZbusError(f"method name must be a non-empty string, got {brief(name)}")
     if ":" in name:
         if not allow_import:
             raise ZbusError(f"method {name!r}: calls by import path are disabled on this node")
@@ -207,7 +207,7 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
         else:
             args, kwargs = _arguments(codec.decode(frames[1:1 + n_payload]))
     except CodecError as e:
-        result, status = ZbusError(f"cannot decode the arguments of {method!r}: {e}"), protocol.REFUSED
+        result, status = ZbusError(f"cannot decode the arguments of {brief(method)}: {e}"), protocol.REFUSED
     else:
         result, status = run_call(worker, method, args, kwargs, allow_import)
         del args, kwargs
