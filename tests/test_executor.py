@@ -806,6 +806,29 @@ def test_tensor_parallel_example_runs():
     assert proc.returncode == 0 and out.count(b"matches the single-process reference") == 3
 
 
+def test_a_done_callback_of_a_future_past_its_timeout_reads_the_timeout(ex):
+    """The completer expires a non-blocking call past its timeout and runs its
+    future's callbacks: one that reads ``exception()`` and ``result()`` gets the
+    TimeoutError (as zbus.vllm's mapped futures do). Sabotage: drop ``self.done()``
+    from ``RpcFuture._complete``'s early return: the callback gets ZbusError
+    ("a done-callback ... must not wait")."""
+    seen: list = []
+
+    def read(f):
+        for outcome in (f.exception, f.result):
+            try:
+                seen.append(outcome())
+            except BaseException as e:  # noqa: BLE001 - what it raised is the point
+                seen.append(e)
+
+    fut = ex.collective_rpc("sleep", args=(1.0,), timeout=0.2, non_block=True)
+    fut.add_done_callback(read)
+    wait_until(lambda: len(seen) == 2, 10, "the callback ran")
+    assert [type(e) for e in seen] == [TimeoutError, TimeoutError], seen
+    time.sleep(1.0)  # the workers are done sleeping
+    assert ex.collective_rpc("rank_value", args=(1,), timeout=10) == [10, 11]
+
+
 @pytest.mark.parametrize("payload", [[], [protocol.NO_ARGS]], ids=["arguments_undecodable", "no_arguments"])
 def test_a_method_name_nested_deep_is_refused_not_the_end_of_the_worker(payload):
     """A call whose method is a list nested 1000 deep (1 KiB, an envelope

@@ -160,7 +160,7 @@ class RpcFuture(concurrent.futures.Future):
     def _complete(self, timeout: float | None) -> None:
         # Once the call is settled, its settler sets this future at once.
         call = self._call
-        if call is None or call.done():
+        if call is None or call.done() or self.done():  # (done: a callback reads its outcome)
             return
         mine = deadline_of(timeout)
         due = call.deadline is not None and (mine is None or call.deadline <= mine)
