@@ -382,6 +382,24 @@ def test_a_worker_that_exits_fails_the_executor_with_its_death():
         ex.shutdown()
 
 
+def test_a_worker_that_closes_its_replies_keeps_the_callers_deadline():
+    """Rank 0 leaves by ``SystemExit`` and its process lingers 3 s: a call with a
+    0.3 s timeout times out in time, and the executor then fails with that death
+    (rank, exit code). Sabotage: wait the whole ``EXIT_REPORT_S`` in
+    ``_replies_ended`` (as before): the call raises ExecutorFailedError ("closed
+    its replies and has not exited") after 2 s, and that is the failure."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            ex.collective_rpc("die", kwargs={"rank": 0, "how": "exit", "linger": 3.0}, timeout=0.3)
+        assert time.monotonic() - start < 1.5
+        error = wait_until(lambda: ex.failure.error, 10, "the executor failed")
+        assert isinstance(error, zbus.WorkerDiedError) and (error.rank, error.exitcode) == (0, 7), repr(error)
+    finally:
+        ex.shutdown()
+
+
 def test_a_done_callback_that_waits_on_the_executor_gets_an_error_not_a_deadlock(ex):
     """A done-callback runs in the thread that completes the future, here the
     executor's completer, which holds the reply lock meanwhile. A callback that

@@ -113,12 +113,12 @@ class EchoWorker(zbus.Worker):
         open(f"{path}.{self.rank}", "w").close()
         return self.stubborn_sleep(seconds)
 
-    def die(self, rank=None, how="kill"):
+    def die(self, rank=None, how="kill", linger=0.5):
         if rank is None or rank == self.rank:
             if how == "abort":
                 os.abort()
-            if how == "exit":  # the worker closes its queues, then exits 0.5 s later
-                atexit.register(time.sleep, 0.5)
+            if how == "exit":  # the worker closes its queues, then exits `linger` s later
+                atexit.register(time.sleep, linger)
                 raise SystemExit(7)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)

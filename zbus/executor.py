@@ -567,6 +567,7 @@ class MultiprocExecutor(Executor):
         self._metrics_server: Any = None
         self._seq = 0
         self._answered = 0  # every call up to this number has all its replies
+        self._replies_closed_at: dict[int, float] = {}  # rank: when its reply queue was seen closed
         self._pending: collections.deque[Call] = collections.deque()
         self._send_lock = OwnedLock()
         self._recv_lock = OwnedLock()
@@ -809,7 +810,7 @@ class MultiprocExecutor(Executor):
             try:
                 reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"), want=head.seq)
             except RingClosed:
-                raise self._replies_ended(rank) from None
+                raise self._replies_ended(rank, deadline) from None
             except CodecError as e:  # consumed but not decodable here: the caller gets why
                 reply = [rank, head.seq, protocol.RAISED,
                          codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]
@@ -818,14 +819,20 @@ class MultiprocExecutor(Executor):
         self._answered = head.seq
         head.finish()  # (unless failed meanwhile by the monitor)
 
-    def _replies_ended(self, rank: int) -> Exception:
+    def _replies_ended(self, rank: int, deadline: float | None) -> Exception:
         """Why the replies of ``rank`` ended: the failure, or a shutdown. Else its worker
         closed its queue on its way out (an exit, SIGTERM) and the monitor's report of
-        the exit follows: wait for it, so that the death is the one failure."""
+        the exit follows: wait for it, so that the death is the one failure, up to
+        ``EXIT_REPORT_S`` after the queue was first seen closed, or the caller's
+        deadline if that comes first (TimeoutError: a later caller waits on)."""
         if self.failure.error is None and not self._closed:
-            self.failure.cancel.wait(EXIT_REPORT_S)
-            self.failure.fail(ExecutorFailedError(f"worker rank {rank} closed its replies and has "
-                                                  f"not exited {EXIT_REPORT_S} s later"))
+            until = self._replies_closed_at.setdefault(rank, time.monotonic()) + EXIT_REPORT_S
+            self.failure.cancel.wait(max(0.0, min(until, deadline or until) - time.monotonic()))
+            if self.failure.error is None and not self._closed:
+                if deadline is not None and deadline < until:
+                    return TimeoutError("collective_rpc timed out")
+                self.failure.fail(ExecutorFailedError(f"worker rank {rank} closed its replies and has "
+                                                      f"not exited {EXIT_REPORT_S} s later"))
         return self.failure.error or ZbusError("executor is shut down")
 
     def _accept(self, head: Call, rank: int, reply: Any) -> None:
