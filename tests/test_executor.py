@@ -149,6 +149,24 @@ def test_polling_after_calls_is_bounded_and_calls_still_work():
         assert [polling.collective_rpc("rank_value", args=(i,)) for i in range(50)][-1] == [490, 491]
 
 
+def test_polling_after_a_call_does_not_outlast_the_callers_deadline():
+    """With ``poll_after_call_s=1.0`` (the most allowed) the driver polls its reply
+    queue for 1 s before it sleeps: a call with a 0.1 s timeout, and ``result``
+    with 0.05 s, still time out in time. Sabotage: poll for the policy's whole
+    ``spin_s``/``yield_s`` in ``_Ring._wait`` (as before): both take 1 s."""
+    with zbus.Executor(EchoWorker, nproc_per_node=2, poll_after_call_s=1.0) as polling:
+        polling.collective_rpc("rank_value", args=(1,), timeout=10)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            polling.collective_rpc("sleep", args=(1.5,), timeout=0.1)
+        assert time.monotonic() - start < 0.6
+        pending = polling.collective_rpc("sleep", args=(1.5,), timeout=10, non_block=True)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            pending.result(timeout=0.05)
+        assert time.monotonic() - start < 0.55
+
+
 def test_callables_travel_by_import_path_and_code_never_does(ex):
     """Sabotage: a lambda that is pickled, or refused with a vague message."""
     assert ex.collective_rpc(workers.add_rank, args=(1,), kwargs={"y": 2}) == [3, 4]

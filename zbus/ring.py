@@ -200,7 +200,12 @@ class _Ring:
         sleep on our doorbell with our waiting flag (u32 index ``flag``) set to
         ``raised`` (a reader: 1, wake me at each chunk; 2, only at a message's end)."""
         pol = self._policy
-        if (poll or partial(_poll, ready))(pol.spin_s, pol.yield_s):
+        spin, yld = pol.spin_s, pol.yield_s
+        if deadline is not None:  # a poll of up to MAX_POLL_S must not outlast the deadline
+            left = max(0.0, deadline - time.monotonic())
+            spin = min(spin, left)
+            yld = min(yld, left - spin)
+        if (poll or partial(_poll, ready))(spin, yld):
             return
         i = self._i
         try:
