@@ -418,28 +418,57 @@ def test_a_worker_that_closes_its_replies_keeps_the_callers_deadline():
         ex.shutdown()
 
 
-def test_a_done_callback_that_waits_on_the_executor_gets_an_error_not_a_deadlock(ex):
-    """A done-callback runs in the thread that completes the future, here the
-    executor's completer, which holds the reply lock meanwhile. A callback that
-    makes a blocking call there gets a ZbusError that says what to do instead of
-    waiting for itself; a non-blocking one is fine. Sabotage: no ``held_here``
-    checks in ``collective_rpc`` and ``_complete_until``: the callback's call
-    waits for the lock its own thread holds, and times out."""
+def test_a_done_callback_may_call_the_executor_while_its_queues_are_full(monkeypatch):
+    """A done-callback runs once the thread completing its future has let go of
+    the executor's locks, so it may call the executor, blocking or not. Here the
+    call ring and the reply rings (4 x 1 KiB) are full of 2 KiB echoes when the
+    first call completes, and the driver is blocked sending the next echo: the
+    callback's calls must answer, and every echo with them. Sabotage: complete the
+    futures in ``Call.settle`` (under the reply lock, as before): the blocking call
+    raises ZbusError ("must not wait"), and the non-blocking one waits for the
+    send lock held by the driver, whose send waits for room that only the reply
+    lock's holder makes: both time out."""
+    monkeypatch.setenv("ZBUS_RING", "1Kx4")
+    blob = b"x" * 2048
+    seen: list = []
+
+    def callback(_f):
+        for non_block in (False, True):
+            try:
+                seen.append(ex.collective_rpc("rank_value", args=(2,), timeout=5, non_block=non_block))
+            except Exception as e:  # noqa: BLE001 - the test looks at it
+                seen.append(e)
+
+    with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
+        first = ex.collective_rpc("sleep", args=(0.3,), non_block=True)
+        first.add_done_callback(callback)
+        echoes = [ex.collective_rpc("echo", args=(i, blob), timeout=8, non_block=True) for i in range(30)]
+        wait_until(lambda: len(seen) == 2, 20, "the callback ran")
+        assert seen[0] == [20, 21], repr(seen[0])
+        assert seen[1].result(timeout=10) == [20, 21]
+        assert [f.result(timeout=10) for f in echoes] == [[((i, blob), {})] * 2 for i in range(30)]
+        assert ex.collective_rpc("rank_value", args=(3,), timeout=10) == [30, 31]
+
+
+def test_a_done_callback_may_wait_for_a_later_future(ex):
+    """Futures complete in issue order, one thread at a time; a callback of the
+    first may still ask for the second's result: it completes out of turn.
+    Sabotage: ``_complete_asked`` without its out-of-turn completion: the
+    callback's ``result(2)`` waits for its own thread and raises TimeoutError."""
+    first = ex.collective_rpc("sleep", args=(0.3,), non_block=True)
+    second = ex.collective_rpc("rank_value", args=(2,), non_block=True)
     seen: list = []
 
     def callback(_f):
         try:
-            seen.append(ex.collective_rpc("rank_value", args=(2,), timeout=3))
+            seen.append(second.result(timeout=2))
         except Exception as e:  # noqa: BLE001 - the test looks at it
             seen.append(e)
-        seen.append(ex.collective_rpc("rank_value", args=(4,), non_block=True))
 
-    first = ex.collective_rpc("later", args=("a", 0.2), non_block=True)
     first.add_done_callback(callback)
-    wait_until(lambda: len(seen) == 2, 20, "the callback ran")
-    assert isinstance(seen[0], zbus.ZbusError) and "done-callback" in str(seen[0]), repr(seen[0])
-    assert seen[1].result(timeout=10) == [40, 41]
-    assert ex.collective_rpc("rank_value", args=(3,), timeout=10) == [30, 31]
+    assert second.result(timeout=10) == [20, 21]
+    wait_until(lambda: seen, 10, "the callback ran")
+    assert seen == [[20, 21]]
 
 
 def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
@@ -846,8 +875,9 @@ def test_a_done_callback_of_a_future_past_its_timeout_reads_the_timeout(ex):
     """The completer expires a non-blocking call past its timeout and runs its
     future's callbacks: one that reads ``exception()`` and ``result()`` gets the
     TimeoutError (as zbus.vllm's mapped futures do). Sabotage: drop ``self.done()``
-    from ``RpcFuture._complete``'s early return: the callback gets ZbusError
-    ("a done-callback ... must not wait")."""
+    from ``RpcFuture._complete``'s early return and complete futures under the
+    reply lock (``_holds_a_lock`` returns False): the callback gets ZbusError
+    ("... must not wait on the executor")."""
     seen: list = []
 
     def read(f):

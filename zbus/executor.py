@@ -104,30 +104,17 @@ class Call:
                 return
             self.outcome = (ok, value)
         self.executor.metrics.rpc_done(time.perf_counter() - self.started, None if ok else value)
-        future = self.future
-        if future is not None:  # its callbacks run here, outside the lock
-            try:
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
-            except concurrent.futures.InvalidStateError:  # cancelled by its holder
-                pass
-            # Done: it needs the call no more. Without the cycle a call and the replies
-            # it holds go when their last holder drops them, not at the next collection.
-            future._call = None
+        if self.future is not None:
+            self.executor._complete_future(self.future, ok, value)
 
     def expire(self) -> None:
         """Past its deadline without its replies: the future fails with TimeoutError.
         The call stays pending, as a blocking call that timed out: its replies, if
         they come, are taken and dropped, and later calls complete after it."""
-        future = self.future
-        if future is not None and not future.done():
-            try:
-                future.set_exception(TimeoutError(f"collective_rpc call {self.seq} timed out waiting "
-                                                  f"for the replies of ranks {self.reply_ranks}"))
-            except concurrent.futures.InvalidStateError:  # settled or cancelled meanwhile
-                pass
+        if self.future is not None and not self.future.done():
+            self.executor._complete_future(self.future, False, TimeoutError(
+                f"collective_rpc call {self.seq} timed out waiting for the replies of ranks "
+                f"{self.reply_ranks}"))
 
     def value(self) -> Any:
         """The result of a settled call, or its error raised."""
@@ -158,23 +145,38 @@ class RpcFuture(concurrent.futures.Future):
         return super().exception(timeout)
 
     def _complete(self, timeout: float | None) -> None:
-        # Once the call is settled, its settler sets this future at once.
         call = self._call
-        if call is None or call.done() or self.done():  # (done: a callback reads its outcome)
+        if call is None or self.done():  # (done: a callback reads its outcome)
             return
-        mine = deadline_of(timeout)
-        due = call.deadline is not None and (mine is None or call.deadline <= mine)
-        try:
-            call.executor._complete_until(call, call.deadline if due else mine)
-        except TimeoutError:
-            if not due:
-                raise
-            call.expire()
-        except Exception as e:
-            if e is not call.executor.failure.error:
-                raise
-            # the failure settles this future (maybe this very moment): result() and
-            # exception() give it as they give any outcome
+        if not call.done():
+            mine = deadline_of(timeout)
+            due = call.deadline is not None and (mine is None or call.deadline <= mine)
+            try:
+                call.executor._complete_until(call, call.deadline if due else mine)
+            except TimeoutError:
+                if not due:
+                    raise
+                call.expire()
+            except Exception as e:
+                if e is not call.executor.failure.error:
+                    raise
+                # the failure settles this future (maybe this very moment): result() and
+                # exception() give it as they give any outcome
+        call.executor._complete_asked(self)
+
+
+def _set_outcome(future: RpcFuture, ok: bool, value: Any) -> None:
+    """Complete ``future``, which runs its callbacks, unless it is done."""
+    try:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+    except concurrent.futures.InvalidStateError:  # expired, cancelled by its holder, or set
+        pass
+    # Done: it needs the call no more. Without the cycle a call and the replies it
+    # holds go when their last holder drops them, not at the next collection.
+    future._call = None
 
 
 def method_name(method: str | Callable) -> str:
@@ -265,6 +267,10 @@ class Executor:
         self.metrics = Metrics()
         self._state_lock = threading.Lock()
         self._settle_lock = threading.Lock()  # a call's outcome is set once (Call.settle)
+        # Futures of settled calls, completed in order by a thread that holds no lock
+        # of the executor: their callbacks may call it (see _run_completions).
+        self._completions: collections.deque[tuple[RpcFuture, bool, Any]] = collections.deque()
+        self._completing = OwnedLock()
         self._closed = False
 
     # --- public API ----------------------------------------------------------------
@@ -336,6 +342,39 @@ class Executor:
     def _complete_until(self, call: Call, deadline: float | None) -> None:
         """Read replies until ``call`` is settled; TimeoutError past ``deadline``."""
         raise NotImplementedError
+
+    def _holds_a_lock(self) -> bool:
+        """Whether this thread holds a lock that a call waits for."""
+        return False
+
+    def _complete_future(self, future: RpcFuture, ok: bool, value: Any) -> None:
+        self._completions.append((future, ok, value))
+        self._run_completions()
+
+    def _complete_asked(self, future: RpcFuture) -> None:
+        """Complete ``future``, which has its outcome, for a caller who asks for it. A
+        callback run by ``_run_completions`` may ask for a later one: this thread
+        completes the futures, so that one completes now, out of turn."""
+        self._run_completions()
+        if not future.done() and self._completing.held_here():
+            for queued, ok, value in list(self._completions):
+                if queued is future:
+                    return _set_outcome(future, ok, value)  # (its turn then finds it done)
+
+    def _run_completions(self) -> None:
+        """Complete the futures of settled calls, in order, unless this thread holds
+        a lock of the executor: a callback runs with none held, so it may call the
+        executor, and a call it makes while the rings are full does not wait for the
+        replies that its own thread would read. Whoever releases a lock calls this.
+        One thread at a time completes them; the others leave it the work."""
+        while self._completions and not self._holds_a_lock():
+            if not self._completing.acquire(blocking=False):
+                return  # its holder looks again once it lets go
+            try:
+                while self._completions:
+                    _set_outcome(*self._completions.popleft())
+            finally:
+                self._completing.release()
 
 
 class InprocExecutor(Executor):
@@ -414,9 +453,9 @@ def _sooner(deadline: float | None, other: float) -> float:
 
 
 class OwnedLock:
-    """A lock that knows the thread holding it. Future callbacks run in the thread
-    that completes the future, which may hold the reply or send lock: a callback
-    that then waits on the executor would wait for itself (see CALLBACK_WAITS)."""
+    """A lock that knows the thread holding it: a thread that holds the reply or send
+    lock must not wait on the executor (it would wait for itself, see CALLBACK_WAITS),
+    and futures complete once it lets go (see Executor._run_completions)."""
 
     __slots__ = ("_lock", "_owner")
 
@@ -438,9 +477,8 @@ class OwnedLock:
         return self._owner == threading.get_ident()
 
 
-CALLBACK_WAITS = ("a done-callback of a zbus future (run by the thread completing it) must not "
-                  "wait on the executor: make the call from another thread, or await the future "
-                  "with asyncio.wrap_future")
+CALLBACK_WAITS = ("this thread holds a lock of the executor (a callback run by one of its threads "
+                  "while it waits) and must not wait on the executor: make the call from another thread")
 
 
 class Completer:
@@ -462,6 +500,7 @@ class Completer:
         self._undone = 0
         self._callers = 0  # callers waiting for the reply lock
         self._last_add = 0.0
+        self._complete_asked = False
         self._stopped = False
         self._thread: threading.Thread | None = None
 
@@ -502,23 +541,42 @@ class Completer:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
 
-    def _busy(self) -> bool:
+    def complete_soon(self) -> None:
+        """Complete the futures of settled calls from this thread: the thread that
+        settled them holds the reply lock on for a later call."""
+        with self._cond:
+            self._complete_asked = True
+            self._cond.notify()
+
+    def _next(self) -> str | None:
+        """What to do next: "complete" futures, "read" replies, or None: stopped."""
         with self._cond:
             while not self._stopped:
+                if self._complete_asked:
+                    self._complete_asked = False
+                    return "complete"
                 grace = self._last_add + self.GRACE_S - time.monotonic()
-                if self._undone > 0 and grace <= 0 and not self._callers:
-                    return True
-                self._cond.wait(grace if self._undone > 0 and not self._callers else None)
-            return False
+                # (none pending: the undone futures wait for the thread completing them)
+                work = self._undone > 0 and not self._callers and bool(self._executor._pending)
+                if work and grace <= 0:
+                    return "read"
+                self._cond.wait(grace if work else None)
+            return None
 
     def _run(self) -> None:
         ex = self._executor
-        while self._busy():
+        while (step := self._next()) is not None:
+            if step == "complete":
+                ex._run_completions()
+                continue
             if not ex._recv_lock.acquire(timeout=self.SLICE_S):
                 continue
             try:
                 while self._undone > 0 and not self._stopped and ex._pending and not self._callers:
+                    head = ex._pending[0]
                     ex._complete_head(time.monotonic() + self.SLICE_S)
+                    if head.future is not None:
+                        break  # its future completes now, once the lock is released
             except TimeoutError:
                 ex._expire_due()
             except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
@@ -528,6 +586,7 @@ class Completer:
                 return  # every pending future now holds the error (see _on_failure)
             finally:
                 ex._recv_lock.release()
+                ex._run_completions()
 
 
 class MultiprocExecutor(Executor):
@@ -739,6 +798,7 @@ class MultiprocExecutor(Executor):
                 raise self.failure.error or ZbusError("executor is shut down") from None
         finally:
             self._send_lock.release()
+            self._run_completions()  # those the wait to send completed (see _drain_ready)
         if non_block:
             self._completer.add(call.future)
             return call.future
@@ -758,9 +818,13 @@ class MultiprocExecutor(Executor):
         self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self.failure.cancel, lock,
                                    queued)
 
+    def _holds_a_lock(self) -> bool:
+        return self._recv_lock.held_here() or self._send_lock.held_here()
+
     def _drain_ready(self) -> None:
         """Complete the calls whose replies are already here, without blocking: lets
-        workers blocked on a full response queue go on while we wait to send."""
+        workers blocked on a full response queue go on while we wait to send. (Their
+        futures complete once the send lock is released.)"""
         if not self._recv_lock.acquire(blocking=False):
             return
         try:
@@ -790,8 +854,11 @@ class MultiprocExecutor(Executor):
                     self._expire_due()
                     if deadline is not None and time.monotonic() >= deadline:
                         raise
+                if self._completions and not call.done():  # earlier calls': not after this one
+                    self._completer.complete_soon()
         finally:
             self._recv_lock.release()
+            self._run_completions()
         if not call.done():  # no longer pending, never settled: only a shutdown does that
             raise self.failure.error or ZbusError("executor is shut down")
 
@@ -874,6 +941,7 @@ class MultiprocExecutor(Executor):
         finally:
             if sending:
                 self._send_lock.release()
+            self._run_completions()  # the pending calls' futures fail now
 
     def _unlink_names(self) -> None:
         if self._bcast is not None and self._bcast.handle is not None:
