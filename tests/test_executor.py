@@ -514,6 +514,26 @@ def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
     assert not ex._workers.alive()
 
 
+def test_a_second_shutdown_returns_once_the_first_is_done(tmp_path):
+    """Two threads shut the executor down at once: the second returns when the
+    workers are gone, as the first does, not at once while
+    the first still stops them (each worker's ``atexit`` hook takes 1 s).
+    Sabotage: ``shutdown`` returning at once when it is not the first (as it did):
+    the second returns with both workers alive."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    ex.collective_rpc("count_at_exit", args=(str(tmp_path / "exit"), 1.0), timeout=10)
+    first = threading.Thread(target=ex.shutdown)
+    try:
+        first.start()
+        wait_until(lambda: ex._closed, 10, "the first shutdown begun")
+        ex.shutdown()
+        assert not ex._workers.alive()
+    finally:
+        first.join(30)
+        ex.shutdown()
+    assert not first.is_alive()
+
+
 def test_a_shutdown_from_a_failure_callback_does_not_wait_on_the_failures_own_stop(tmp_path):
     """A worker dies; a failure callback, run by the thread that watches the
     workers, shuts the executor down while the failure's own stop of the workers

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 BACKENDS = ("mp", "inproc")
 STARTUP_REPORT_GRACE_S = 1.0  # how long a failed start-up waits for the worker's own report
 EXIT_REPORT_S = 2.0  # how long a worker that closed its replies has to exit (and be reported)
+SHUTDOWN_WAIT_S = 60.0  # how long a second shutdown waits for the first (which bounds its own steps)
 FAILED_GRACE_S = 0.2  # how long a failed executor's workers get to end by themselves (then SIGTERM)
 WorkerSpec = "type[Worker] | str"
 
@@ -271,6 +272,7 @@ class Executor:
         # of the executor: their callbacks may call it (see _run_completions).
         self._completions: collections.deque[tuple[RpcFuture, bool, Any]] = collections.deque()
         self._completing = OwnedLock()
+        self._shut_down = threading.Event()  # set once the first shutdown is done
         self._closed = False
 
     # --- public API ----------------------------------------------------------------
@@ -915,11 +917,22 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Stop the workers (asked, then SIGTERM, then SIGKILL) and free every
         segment. Idempotent; pending calls fail. Callers blocked in the API (other
-        threads) are woken and get ZbusError before anything they use is closed."""
+        threads) are woken and get ZbusError before anything they use is closed.
+        A shutdown while another runs returns once that one is done, except on a
+        thread of the executor (a callback's), which that one may be joining."""
         with self._state_lock:
-            if self._closed:
-                return
-            self._closed = True
+            first, self._closed = not self._closed, True
+        if not first:
+            if not threading.current_thread().name.startswith("zbus-") and \
+                    not self._shut_down.wait(SHUTDOWN_WAIT_S):
+                log.warning("shutdown: another shutdown still runs %.0f s later", SHUTDOWN_WAIT_S)
+            return
+        try:
+            self._shut_down_once()
+        finally:
+            self._shut_down.set()
+
+    def _shut_down_once(self) -> None:
         self.failure.close()  # exits from now on are expected
         self._completer.stop()
         # Names first (gone already unless the start failed): a driver killed while it
