@@ -1453,3 +1453,27 @@ def test_object_bytes_estimates_what_decoding_builds(name, obj):
     assert 0.5 * allocated <= estimate <= 4 * allocated, (estimate, allocated)
     with pytest.raises(zbus.CodecError, match="past the end"):  # a count that reaches past the end
         codec.object_bytes(bytes(frames[0])[:3] + b"\xdd\xff\xff\xff\xff")
+
+
+def test_the_object_budget_holds_for_memoryviews_in_the_arguments():
+    """The most object-heavy item a header may hold: an empty memoryview in the
+    arguments tuple (6 bytes) decodes into a bytearray, its buffer and the view,
+    376 bytes. The largest such header the object budget lets through must build
+    no more than that budget (OBJECTS_MIN + OBJECTS_FACTOR x its size), as traced.
+    Sabotage: charge a bytes extension as any other (64 bytes, as before): the
+    estimate of 232 bytes an item lets a 4.8 MiB header through, which builds
+    about 300 MiB against its 186 MiB budget."""
+    import tracemalloc
+
+    per_item = codec.object_bytes(codec.encode(tuple([memoryview(b"")] * 1000))[0]) / 1000
+    n = int(codec.OBJECTS_MIN / (per_item - codec.OBJECTS_FACTOR * 6) * 0.98)
+    frames = codec.encode(tuple([memoryview(b"")] * n))
+    limit = codec.OBJECTS_MIN + codec.OBJECTS_FACTOR * len(frames[0])
+    tracemalloc.start()
+    try:
+        decoded = codec.decode(frames)
+        built = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(decoded) == n and type(decoded[0]) is memoryview
+    assert built <= limit, (n, built >> 20, limit >> 20)

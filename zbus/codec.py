@@ -47,7 +47,8 @@ BUDGET_FACTOR = 4  # a decode copies at most this many times the message size (+
 # of them would take 18 GiB. The estimate is high by 1.3x to 3.5x: lists of ints or
 # floats measure 6x to 10x their size (estimated 12x to 19x), of small dicts 6x (21x),
 # of pairs of small ints 25x (37x: refused past 6 MiB of header), of one-key dicts in
-# one-key dicts 48x (71x: refused past 0.8 MiB).
+# one-key dicts 48x (71x: refused past 0.8 MiB), of empty memoryviews in the
+# arguments tuple 63x (73x: refused past 0.8 MiB).
 OBJECTS_MIN = 32 * 2**20
 OBJECTS_FACTOR = 32
 
@@ -546,8 +547,8 @@ def _walk(data: bytes, budget: int | None = None) -> int:
     CPython's sizes (64-bit): a list 64 bytes and 16 an item (a slot, and a
     slot of the tuple an extension makes of it), a dict 160 and 48 an entry, an
     int, float or short str of n bytes 48 + 2n, a longer str or bytes 56 + 2n,
-    an extension 64; refuse the header once that passes ``budget``. Returns the
-    estimate."""
+    an extension 64, a bytes extension 304 (it may be a memoryview); refuse the
+    header once that passes ``budget``. Returns the estimate."""
     end, pos, fixed = len(data), 0, _FIXED
     left, body_end = 1, -1  # items left at this level; where its extension body ends
     stack: list[tuple[int, int]] = []
@@ -591,11 +592,12 @@ def _walk(data: bytes, budget: int | None = None) -> int:
         elif b in _FIXEXT or b in _EXT:
             w = _EXT.get(b, 0)
             size = _FIXEXT[b] if b in _FIXEXT else int.from_bytes(data[pos + 1:pos + 1 + w], "big")
-            if data[pos + 1 + w] not in _EXT_CODES:
+            code = data[pos + 1 + w]
+            if code not in _EXT_CODES:
                 raise CodecError("unknown extension type")
             items, pos = 1, pos + 2 + w
             inner_end = pos + size
-            spent += 64
+            spent += 64 if code != _BYTES else 304  # a memoryview: its bytearray, buffer and view
         else:
             raise CodecError(f"reserved type byte 0x{b:02x}")
         if items > (end if inner_end < 0 else inner_end) - pos:  # each item takes a byte at least
