@@ -471,6 +471,140 @@ def test_a_done_callback_may_wait_for_a_later_future(ex):
     assert seen == [[20, 21]]
 
 
+def test_a_callback_asking_for_a_future_just_settled_elsewhere_gets_it(ex, monkeypatch):
+    """The completer settles call 2 while a callback of call 1, in another thread,
+    asks for call 2's result: the settled call's future must be queued with its
+    outcome, not after. Sabotage: queue it after ``Call.settle`` releases its lock
+    (where ``rpc_done`` runs, slowed here by 1.5 s to widen the window): the
+    callback finds the call done, its future in no queue, and waits out its 3 s."""
+    rpc_done = ex.metrics.rpc_done
+    slowed: list = []
+
+    def slow_rpc_done(*args):
+        if threading.current_thread().name == "zbus-completer" and not slowed:
+            slowed.append(True)
+            time.sleep(1.5)
+        return rpc_done(*args)
+
+    monkeypatch.setattr(ex.metrics, "rpc_done", slow_rpc_done)
+    first = ex.collective_rpc("sleep", args=(0.2,), non_block=True)
+    second = ex.collective_rpc("sleep", args=(0.2,), non_block=True)
+    seen: list = []
+
+    def callback(_f):
+        time.sleep(0.5)  # the completer is in call 2's rpc_done by now
+        start = time.monotonic()
+        try:
+            seen.append(second.result(timeout=3))
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            seen.append(e)
+        seen.append(time.monotonic() - start)
+
+    first.add_done_callback(callback)
+    assert first.result(timeout=10) == [0, 1]
+    wait_until(lambda: len(seen) == 2, 10, "the callback ran")
+    assert slowed and seen[0] == [0, 1] and seen[1] < 1.0, seen
+
+
+def test_an_expired_future_is_queued_once(ex):
+    """A call past its timeout queues its future's TimeoutError once, however long
+    the callbacks ahead of it take. Sabotage: ``Call.expire`` without its
+    ``expired`` flag: each 50 ms slice queues it again while a 2 s callback runs
+    (5, 14, 23, 32 entries)."""
+    first = ex.collective_rpc("sleep", args=(0.1,), non_block=True)
+    late = ex.collective_rpc("sleep", args=(2.5,), non_block=True, timeout=0.3)
+    queued: list = []
+
+    def callback(_f):
+        for _ in range(4):
+            time.sleep(0.4)
+            queued.append(len(ex._completions))
+
+    first.add_done_callback(callback)
+    first.result(timeout=10)
+    assert isinstance(late.exception(timeout=10), TimeoutError)
+    assert max(queued) <= 1, queued
+    assert ex.collective_rpc("rank_value", args=(1,), timeout=10) == [10, 11]
+
+
+def test_a_failure_callback_reads_a_pending_future_at_once():
+    """A worker closes its replies and lingers: the completer, reading replies
+    under the reply lock, fails the executor after ``EXIT_REPORT_S``, and a
+    failure callback there reads a pending future. It gets the failure at once:
+    no other thread could complete that future before this one lets go of the
+    lock. Sabotage: ``_complete_asked`` completing out of turn only inside
+    ``_run_completions`` (not under a lock): ``exception(4)`` raises TimeoutError
+    after 4 s."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    seen: list = []
+    try:
+        future = ex.collective_rpc("die", kwargs={"rank": 0, "how": "exit", "linger": 3.0}, non_block=True)
+
+        def on_failure():
+            start = time.monotonic()
+            try:
+                seen.append(future.exception(timeout=4))
+            except Exception as e:  # noqa: BLE001 - the test looks at it
+                seen.append(e)
+            seen.append(time.monotonic() - start)
+
+        ex.register_failure_callback(on_failure)
+        wait_until(lambda: len(seen) == 2, 20, "the failure callback ran")
+        assert seen[0] is ex.failure.error and seen[1] < 1.0, seen
+    finally:
+        ex.shutdown()
+
+
+def test_a_done_callback_run_by_a_shutdown_may_shut_down_too(monkeypatch):
+    """A shutdown fails the pending calls, and their futures complete in its
+    thread: a callback there that calls ``shutdown()`` again returns at once (its
+    own thread is the one shutting down). Sabotage: no check of the first
+    shutdown's thread in ``shutdown``: the callback waits ``SHUTDOWN_WAIT_S`` (5 s
+    here) for itself."""
+    monkeypatch.setattr(zbus.executor, "SHUTDOWN_WAIT_S", 5.0)
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    took: list = []
+
+    def callback(_f):
+        start = time.monotonic()
+        ex.shutdown()
+        took.append(time.monotonic() - start)
+
+    try:
+        future = ex.collective_rpc("sleep", args=(5,), non_block=True)
+        future.add_done_callback(callback)
+        time.sleep(0.3)
+    finally:
+        ex.shutdown()
+    assert isinstance(future.exception(0), zbus.ZbusError)
+    assert len(took) == 1 and took[0] < 1.0, took
+
+
+def test_an_inproc_callback_of_a_later_reply_may_call_the_executor():
+    """``backend="inproc"``: a method that returns a Future answers from the reply
+    thread, under the reply pipe's lock; the future's callback calls the executor
+    once the lock is released. Sabotage: ``InprocExecutor._holds_a_lock`` returning
+    False: the callback runs under the lock, and its call waits for it for good
+    (its 2 s timeout is not looked at: nothing is seen within 5 s)."""
+    ex = zbus.Executor(EchoWorker, backend="inproc")
+    seen: list = []
+
+    def callback(_f):
+        try:
+            seen.append(ex.collective_rpc("rank_value", args=(2,), timeout=2))
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            seen.append(e)
+
+    try:
+        future = ex.collective_rpc("later", args=(1, 0.1), non_block=True)
+        future.add_done_callback(callback)
+        assert future.result(timeout=5) == [1]
+        wait_until(lambda: seen, 5, "the callback ran")
+        assert seen == [[20]]
+    finally:
+        ex.shutdown()
+
+
 def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
     """Rank 1 is SIGKILLed once it is inside a 30 s call: the pending calls fail
     with ``WorkerDiedError`` within 1 s, later ones at once, and the failure

@@ -59,7 +59,7 @@ class Call:
     which fails with TimeoutError at the call's ``deadline`` if it has one."""
 
     __slots__ = ("executor", "seq", "reply_ranks", "unique", "replies", "started", "outcome", "future",
-                 "deadline", "due")
+                 "deadline", "due", "expired")
 
     def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool,
                  future: RpcFuture | None = None, deadline: float | None = None,
@@ -74,6 +74,7 @@ class Call:
         self.future = future
         self.deadline = deadline  # a non-blocking call's: its future fails then
         self.due = due  # the caller's deadline, blocking or not
+        self.expired = False  # its future's TimeoutError is queued
         if future is not None:
             future._call, future.seq, future.reply_ranks = self, seq, self.reply_ranks
 
@@ -100,22 +101,30 @@ class Call:
 
     def settle(self, ok: bool, value: Any) -> None:
         """Set the outcome unless it is set (a reply and a failure may race)."""
-        with self.executor._settle_lock:
+        ex = self.executor
+        with ex._settle_lock:
             if self.outcome is not None:
                 return
             self.outcome = (ok, value)
-        self.executor.metrics.rpc_done(time.perf_counter() - self.started, None if ok else value)
+            if self.future is not None and not self.expired:  # queued with it (not once expired)
+                ex._completions.append((self.future, ok, value))
+        ex.metrics.rpc_done(time.perf_counter() - self.started, None if ok else value)
         if self.future is not None:
-            self.executor._complete_future(self.future, ok, value)
+            ex._run_completions()
 
     def expire(self) -> None:
         """Past its deadline without its replies: the future fails with TimeoutError.
         The call stays pending, as a blocking call that timed out: its replies, if
         they come, are taken and dropped, and later calls complete after it."""
-        if self.future is not None and not self.future.done():
-            self.executor._complete_future(self.future, False, TimeoutError(
+        ex = self.executor
+        with ex._settle_lock:
+            if self.future is None or self.expired or self.future.done():
+                return
+            self.expired = True
+            ex._completions.append((self.future, False, TimeoutError(
                 f"collective_rpc call {self.seq} timed out waiting for the replies of ranks "
-                f"{self.reply_ranks}"))
+                f"{self.reply_ranks}")))
+        ex._run_completions()
 
     def value(self) -> Any:
         """The result of a settled call, or its error raised."""
@@ -273,6 +282,7 @@ class Executor:
         self._completions: collections.deque[tuple[RpcFuture, bool, Any]] = collections.deque()
         self._completing = OwnedLock()
         self._shut_down = threading.Event()  # set once the first shutdown is done
+        self._shutting_down_in = 0  # the thread of the first shutdown (its callbacks may call it)
         self._closed = False
 
     # --- public API ----------------------------------------------------------------
@@ -349,19 +359,17 @@ class Executor:
         """Whether this thread holds a lock that a call waits for."""
         return False
 
-    def _complete_future(self, future: RpcFuture, ok: bool, value: Any) -> None:
-        self._completions.append((future, ok, value))
-        self._run_completions()
-
     def _complete_asked(self, future: RpcFuture) -> None:
-        """Complete ``future``, which has its outcome, for a caller who asks for it. A
-        callback run by ``_run_completions`` may ask for a later one: this thread
-        completes the futures, so that one completes now, out of turn."""
+        """Complete ``future``, which has its outcome, for a caller who asks for it.
+        Where no other thread can complete it first, it completes now, out of turn:
+        asked by a callback run by ``_run_completions`` (a later future), or by a
+        thread that holds a lock (a failure callback run by a reader of replies)."""
         self._run_completions()
-        if not future.done() and self._completing.held_here():
-            for queued, ok, value in list(self._completions):
-                if queued is future:
-                    return _set_outcome(future, ok, value)  # (its turn then finds it done)
+        if not future.done() and (self._completing.held_here() or self._holds_a_lock()):
+            with self._settle_lock:  # (no append meanwhile; list() copies in one step)
+                queued = [entry for entry in list(self._completions) if entry[0] is future]
+            if queued:
+                _set_outcome(*queued[0])  # (its turn then finds it done)
 
     def _run_completions(self) -> None:
         """Complete the futures of settled calls, in order, unless this thread holds
@@ -400,7 +408,8 @@ class InprocExecutor(Executor):
         self._worker = build_worker({"worker": worker, "kwargs": self.worker_kwargs}, {
             "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0})
         self._calls: dict[int, Call] = {}
-        self._replies = ReplyPipe(self._deliver)
+        self._delivering = threading.local()  # in _deliver, under the reply pipe's lock
+        self._replies = ReplyPipe(self._deliver, then=self._run_completions)
 
     def _deliver(self, reply: list) -> None:
         seq, status, value = reply
@@ -408,7 +417,14 @@ class InprocExecutor(Executor):
         if status != protocol.OK and isinstance(value, BaseException):
             value = codec.ExceptionInfo.from_exception(value)
         call.replies[0] = (status, value)
-        call.finish()
+        self._delivering.now = True
+        try:
+            call.finish()
+        finally:
+            self._delivering.now = False
+
+    def _holds_a_lock(self) -> bool:
+        return getattr(self._delivering, "now", False)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None, non_block: bool = False,
@@ -422,12 +438,14 @@ class InprocExecutor(Executor):
         self._calls[self._seq] = call
         result, status = run_call(self._worker, method, args, kwargs, self.allow_import_calls)
         self._replies.send(self._seq, result, status)
+        self._run_completions()
         return call.future if non_block else call.future.result(timeout)
 
     def _complete_until(self, call: Call, deadline: float | None) -> None:
-        while not call.done():
+        while not call.done():  # the call, not its future: a callback may be the one to complete it
             left = remaining(deadline, "collective_rpc")
-            concurrent.futures.wait([call.future], timeout=left)
+            concurrent.futures.wait([call.future], timeout=Completer.SLICE_S if left is None
+                                    else min(left, Completer.SLICE_S))
 
     def shutdown(self) -> None:
         self._closed = True
@@ -918,12 +936,16 @@ class MultiprocExecutor(Executor):
         """Stop the workers (asked, then SIGTERM, then SIGKILL) and free every
         segment. Idempotent; pending calls fail. Callers blocked in the API (other
         threads) are woken and get ZbusError before anything they use is closed.
-        A shutdown while another runs returns once that one is done, except on a
-        thread of the executor (a callback's), which that one may be joining."""
+        A shutdown while another runs returns once that one is done, except in a
+        callback on that one's thread or on a thread of the executor, which that
+        one may be joining."""
         with self._state_lock:
             first, self._closed = not self._closed, True
+            if first:
+                self._shutting_down_in = threading.get_ident()
         if not first:
-            if not threading.current_thread().name.startswith("zbus-") and \
+            if threading.get_ident() != self._shutting_down_in and \
+                    not threading.current_thread().name.startswith("zbus-") and \
                     not self._shut_down.wait(SHUTDOWN_WAIT_S):
                 log.warning("shutdown: another shutdown still runs %.0f s later", SHUTDOWN_WAIT_S)
             return

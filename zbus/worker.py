@@ -106,9 +106,11 @@ class ReplyPipe:
     Future: its reply goes when it completes, later replies queue behind it, and
     the serving loop is never blocked."""
 
-    def __init__(self, put: Callable[[Any], None], ack: Callable[[int], None] | None = None):
+    def __init__(self, put: Callable[[Any], None], ack: Callable[[int], None] | None = None,
+                 then: Callable[[], None] | None = None):
         self._put = put
         self.ack = ack or (lambda answered: None)  # the driver has the replies up to a call
+        self._then = then or (lambda: None)  # after a later reply is put, with the lock released
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -143,6 +145,7 @@ class ReplyPipe:
                     log.exception("reply to call %d failed", seq)
                     self._put([seq, protocol.RAISED, e])
                 self._queue.popleft()
+            self._then()
 
 
 def run_call(worker: Any, method: Any, args: Any, kwargs: Any, allow_import: bool) -> tuple[Any, int]:
