@@ -1427,6 +1427,18 @@ def test_tensor_from_a_zmq_frame_uses_the_frame_in_place_never_the_senders_memor
         ctx.term()
 
 
+def traced_decode(frames: list) -> tuple:
+    """What ``frames`` decode into, and the bytes decoding left allocated (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        decoded = codec.decode(frames)
+        return decoded, tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
 @pytest.mark.parametrize("name, obj", [
     ("empty maps", [{}] * 5000), ("ints", list(range(1000, 11000))), ("negative fixints", [-20] * 10000),
     ("strings", ["x" * 100] * 2000), ("nested lists", [[[1, 2], [3]]] * 2000),
@@ -1438,17 +1450,10 @@ def test_object_bytes_estimates_what_decoding_builds(name, obj):
     0.5x-4x of what decoding allocates (tracemalloc), from a memoryview as from
     bytes, and a count that reaches past the header's end is a CodecError. Sabotage: drop the negative
     fixints' share, or return the header's length -> an estimate under half."""
-    import tracemalloc
-
     frames = codec.encode(obj)
     estimate = codec.object_bytes(frames[0])
     assert codec.object_bytes(memoryview(bytes(frames[0]))) == estimate
-    tracemalloc.start()
-    try:
-        decoded = codec.decode(frames)
-        allocated = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
+    decoded, allocated = traced_decode(frames)
     assert decoded == obj
     assert 0.5 * allocated <= estimate <= 4 * allocated, (estimate, allocated)
     with pytest.raises(zbus.CodecError, match="past the end"):  # a count that reaches past the end
@@ -1463,17 +1468,10 @@ def test_the_object_budget_holds_for_memoryviews_in_the_arguments():
     Sabotage: charge a bytes extension as any other (64 bytes, as before): the
     estimate of 232 bytes an item lets a 4.8 MiB header through, which builds
     about 300 MiB against its 186 MiB budget."""
-    import tracemalloc
-
     per_item = codec.object_bytes(codec.encode(tuple([memoryview(b"")] * 1000))[0]) / 1000
     n = int(codec.OBJECTS_MIN / (per_item - codec.OBJECTS_FACTOR * 6) * 0.98)
     frames = codec.encode(tuple([memoryview(b"")] * n))
     limit = codec.OBJECTS_MIN + codec.OBJECTS_FACTOR * len(frames[0])
-    tracemalloc.start()
-    try:
-        decoded = codec.decode(frames)
-        built = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
+    decoded, built = traced_decode(frames)
     assert len(decoded) == n and type(decoded[0]) is memoryview
     assert built <= limit, (n, built >> 20, limit >> 20)

@@ -471,6 +471,16 @@ def test_a_done_callback_may_wait_for_a_later_future(ex):
     assert seen == [[20, 21]]
 
 
+def timed_outcome(read, seen: list) -> None:
+    """Append what ``read()`` returns or raises, then the seconds it took."""
+    start = time.monotonic()
+    try:
+        seen.append(read())
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        seen.append(e)
+    seen.append(time.monotonic() - start)
+
+
 def test_a_callback_asking_for_a_future_just_settled_elsewhere_gets_it(ex, monkeypatch):
     """The completer settles call 2 while a callback of call 1, in another thread,
     asks for call 2's result: the settled call's future must be queued with its
@@ -493,12 +503,7 @@ def test_a_callback_asking_for_a_future_just_settled_elsewhere_gets_it(ex, monke
 
     def callback(_f):
         time.sleep(0.5)  # the completer is in call 2's rpc_done by now
-        start = time.monotonic()
-        try:
-            seen.append(second.result(timeout=3))
-        except Exception as e:  # noqa: BLE001 - the test looks at it
-            seen.append(e)
-        seen.append(time.monotonic() - start)
+        timed_outcome(lambda: second.result(timeout=3), seen)
 
     first.add_done_callback(callback)
     assert first.result(timeout=10) == [0, 1]
@@ -540,15 +545,7 @@ def test_a_failure_callback_reads_a_pending_future_at_once():
     try:
         future = ex.collective_rpc("die", kwargs={"rank": 0, "how": "exit", "linger": 3.0}, non_block=True)
 
-        def on_failure():
-            start = time.monotonic()
-            try:
-                seen.append(future.exception(timeout=4))
-            except Exception as e:  # noqa: BLE001 - the test looks at it
-                seen.append(e)
-            seen.append(time.monotonic() - start)
-
-        ex.register_failure_callback(on_failure)
+        ex.register_failure_callback(lambda: timed_outcome(lambda: future.exception(timeout=4), seen))
         wait_until(lambda: len(seen) == 2, 20, "the failure callback ran")
         assert seen[0] is ex.failure.error and seen[1] < 1.0, seen
     finally:
