@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -598,6 +599,92 @@ def test_an_inproc_callback_of_a_later_reply_may_call_the_executor():
         assert future.result(timeout=5) == [1]
         wait_until(lambda: seen, 5, "the callback ran")
         assert seen == [[20]]
+    finally:
+        ex.shutdown()
+
+
+def test_a_callback_of_a_failed_future_reads_another_at_once():
+    """A worker is killed with two calls pending: the failure settles both before
+    their futures complete, so a callback of the first reads the second's error at
+    once. Sabotage: settle and complete each pending call in turn in
+    ``_fail_pending`` (``complete=True``): the second is in no queue yet, and the
+    callback's ``exception(3)`` times out (without a timeout, the thread that
+    watches the workers would wait for good)."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    seen: list = []
+    try:
+        first = ex.collective_rpc("sleep", args=(5,), non_block=True)
+        second = ex.collective_rpc("sleep", args=(5,), non_block=True)
+        first.add_done_callback(lambda _f: timed_outcome(lambda: second.exception(timeout=3), seen))
+        ex._workers.procs[0].kill()
+        wait_until(lambda: len(seen) == 2, 20, "the callback ran")
+        assert isinstance(seen[0], zbus.WorkerDiedError) and seen[1] < 1.0, seen
+    finally:
+        ex.shutdown()
+
+
+def test_a_callback_that_raises_systemexit_stops_no_completion(ex):
+    """``sys.exit()`` in a done-callback run by the completer (Future catches only
+    Exception): the completer logs it and lives on; the next futures complete by
+    themselves. Sabotage: ``_run_completions`` without its ``except BaseException``:
+    the completer thread ends, and a later future is not done within 3 s."""
+    first = ex.collective_rpc("sleep", args=(0.2,), non_block=True)
+    first.add_done_callback(lambda _f: sys.exit(0))
+    second = ex.collective_rpc("rank_value", args=(2,), non_block=True)
+    assert not concurrent.futures.wait([first, second], timeout=10).not_done
+    third = ex.collective_rpc("rank_value", args=(3,), non_block=True)
+    assert not concurrent.futures.wait([third], timeout=3).not_done
+    assert third.result(0) == [30, 31] and ex._completer._thread.is_alive()
+
+
+def test_ctrl_c_in_a_callback_during_shutdown_leaves_no_future_pending():
+    """A shutdown fails three pending futures; the first one's callback raises
+    KeyboardInterrupt, which reaches the caller of ``shutdown()`` once the other
+    two are complete too. Sabotage: ``_run_completions`` without its ``except
+    BaseException``: two futures stay pending for good."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    futures = [ex.collective_rpc("sleep", args=(5,), non_block=True) for _ in range(3)]
+
+    def interrupt(_f):
+        raise KeyboardInterrupt
+
+    futures[0].add_done_callback(interrupt)
+    time.sleep(0.2)
+    with pytest.raises(KeyboardInterrupt):
+        ex.shutdown()
+    assert not concurrent.futures.wait(futures, timeout=3).not_done
+    assert not ex._workers.alive()
+
+
+def test_result_keeps_its_timeout_while_another_thread_runs_callbacks(ex):
+    """The completer runs a 3 s callback of call 1 while call 2 settles: call 2's
+    future completes after that callback, and ``result(1.5)`` raises at 1.5 s.
+    Sabotage: ``result`` giving ``Future.result`` its whole timeout again after
+    reading replies (as it did): TimeoutError after about 2.7 s."""
+    first = ex.collective_rpc("sleep", args=(0.2,), non_block=True)
+    first.add_done_callback(lambda _f: time.sleep(3))
+    second = ex.collective_rpc("sleep", args=(1.0,), non_block=True)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        second.result(timeout=1.5)
+    assert time.monotonic() - start < 2.0
+    assert second.result(timeout=10) == [0, 1]
+
+
+def test_an_inproc_callback_on_the_reply_thread_waiting_for_a_later_reply_gets_an_error():
+    """``backend="inproc"``: a later reply's callback runs on the thread that sends
+    the later replies; a blocking call there whose reply queues behind that thread
+    raises ZbusError at once. Sabotage: no check in ``InprocExecutor._complete_until``:
+    the call waits out its 3 s timeout (without one, for good)."""
+    ex = zbus.Executor(EchoWorker, backend="inproc")
+    seen: list = []
+    try:
+        future = ex.collective_rpc("later", args=(1, 0.1), non_block=True)
+        future.add_done_callback(lambda _f: timed_outcome(
+            lambda: ex.collective_rpc("later", args=(2, 0.1), timeout=3), seen))
+        assert future.result(timeout=5) == [1]
+        wait_until(lambda: len(seen) == 2, 10, "the callback ran")
+        assert isinstance(seen[0], zbus.ZbusError) and "inproc" in str(seen[0]) and seen[1] < 1.0, seen
     finally:
         ex.shutdown()
 

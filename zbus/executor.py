@@ -99,8 +99,9 @@ class Call:
                                                     f"{brief(status)}, a {type(value).__name__})"))
         self.settle(True, values[0] if self.unique else values)
 
-    def settle(self, ok: bool, value: Any) -> None:
-        """Set the outcome unless it is set (a reply and a failure may race)."""
+    def settle(self, ok: bool, value: Any, complete: bool = True) -> None:
+        """Set the outcome unless it is set (a reply and a failure may race), and
+        complete its future unless ``complete`` is false (the caller then does)."""
         ex = self.executor
         with ex._settle_lock:
             if self.outcome is not None:
@@ -109,7 +110,7 @@ class Call:
             if self.future is not None and not self.expired:  # queued with it (not once expired)
                 ex._completions.append((self.future, ok, value))
         ex.metrics.rpc_done(time.perf_counter() - self.started, None if ok else value)
-        if self.future is not None:
+        if self.future is not None and complete:
             ex._run_completions()
 
     def expire(self) -> None:
@@ -147,32 +148,36 @@ class RpcFuture(concurrent.futures.Future):
     reply_ranks: list[int]  # the ranks whose replies make the result
 
     def result(self, timeout: float | None = None) -> Any:
-        self._complete(timeout)
-        return super().result(timeout)
+        return super().result(self._complete(deadline_of(timeout)))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._complete(timeout)
-        return super().exception(timeout)
+        return super().exception(self._complete(deadline_of(timeout)))
 
-    def _complete(self, timeout: float | None) -> None:
+    def _complete(self, mine: float | None) -> float | None:
+        """Read replies until this call is settled, up to the caller's deadline
+        ``mine``; the time left of it, for the wait for the future itself."""
         call = self._call
-        if call is None or self.done():  # (done: a callback reads its outcome)
-            return
-        if not call.done():
-            mine = deadline_of(timeout)
-            due = call.deadline is not None and (mine is None or call.deadline <= mine)
-            try:
-                call.executor._complete_until(call, call.deadline if due else mine)
-            except TimeoutError:
-                if not due:
-                    raise
-                call.expire()
-            except Exception as e:
-                if e is not call.executor.failure.error:
-                    raise
-                # the failure settles this future (maybe this very moment): result() and
-                # exception() give it as they give any outcome
-        call.executor._complete_asked(self)
+        if call is not None and not self.done():  # (done: a callback reads its outcome)
+            if not call.done():
+                self._read_replies(call, mine)
+            call.executor._complete_asked(self)
+        return None if mine is None else max(0.0, mine - time.monotonic())
+
+    def _read_replies(self, call: Call, mine: float | None) -> None:
+        """Read replies until ``call`` is settled, up to ``mine`` or the call's own
+        deadline if that comes first (the call then expires)."""
+        due = call.deadline is not None and (mine is None or call.deadline <= mine)
+        try:
+            call.executor._complete_until(call, call.deadline if due else mine)
+        except TimeoutError:
+            if not due:
+                raise
+            call.expire()
+        except Exception as e:
+            if e is not call.executor.failure.error:
+                raise
+            # the failure settles this future (maybe this very moment): result() and
+            # exception() give it as they give any outcome
 
 
 def _set_outcome(future: RpcFuture, ok: bool, value: Any) -> None:
@@ -184,9 +189,10 @@ def _set_outcome(future: RpcFuture, ok: bool, value: Any) -> None:
             future.set_exception(value)
     except concurrent.futures.InvalidStateError:  # expired, cancelled by its holder, or set
         pass
-    # Done: it needs the call no more. Without the cycle a call and the replies it
-    # holds go when their last holder drops them, not at the next collection.
-    future._call = None
+    finally:
+        # Done: it needs the call no more. Without the cycle a call and the replies it
+        # holds go when their last holder drops them, not at the next collection.
+        future._call = None
 
 
 def method_name(method: str | Callable) -> str:
@@ -377,14 +383,23 @@ class Executor:
         executor, and a call it makes while the rings are full does not wait for the
         replies that its own thread would read. Whoever releases a lock calls this.
         One thread at a time completes them; the others leave it the work."""
+        escaped: BaseException | None = None
         while self._completions and not self._holds_a_lock():
             if not self._completing.acquire(blocking=False):
-                return  # its holder looks again once it lets go
+                break  # its holder looks again once it lets go
             try:
                 while self._completions:
-                    _set_outcome(*self._completions.popleft())
+                    try:
+                        _set_outcome(*self._completions.popleft())
+                    except BaseException as e:  # noqa: BLE001 - a callback's SystemExit, Ctrl-C
+                        escaped = escaped or e  # (Future catches Exception): the rest complete first
             finally:
                 self._completing.release()
+        if escaped is not None:
+            if not threading.current_thread().name.startswith("zbus-"):
+                raise escaped  # the caller's own: its Ctrl-C
+            log.error("a future's done-callback raised %r in %s: ignored", escaped,
+                      threading.current_thread().name)
 
 
 class InprocExecutor(Executor):
@@ -442,6 +457,9 @@ class InprocExecutor(Executor):
         return call.future if non_block else call.future.result(timeout)
 
     def _complete_until(self, call: Call, deadline: float | None) -> None:
+        if not call.done() and threading.current_thread() is self._replies.thread:
+            raise ZbusError("backend='inproc': a callback run by the thread that sends the later "
+                            "replies cannot wait for one: make the call from another thread")
         while not call.done():  # the call, not its future: a callback may be the one to complete it
             left = remaining(deadline, "collective_rpc")
             concurrent.futures.wait([call.future], timeout=Completer.SLICE_S if left is None
@@ -773,14 +791,13 @@ class MultiprocExecutor(Executor):
             self._bcast.ring.abort()
         for rx in self._receivers:
             rx.abort()
-        for call in list(self._pending):
-            call.settle(False, error)
         # End this node's workers now, as the follower nodes end theirs on the
         # leader's "failed": one stuck in a collective with a dead peer would spin
         # until shutdown. (A thread: this may run in the caller's or the watcher's.)
         if self._workers is not None:
             threading.Thread(target=self._workers.stop, kwargs={"grace": FAILED_GRACE_S},
                              name="zbus-end-workers", daemon=True).start()
+        self._fail_pending(error)  # last: the futures' callbacks run here
 
     # --- calls ---------------------------------------------------------------------
 
@@ -978,6 +995,13 @@ class MultiprocExecutor(Executor):
                 self._send_lock.release()
             self._run_completions()  # the pending calls' futures fail now
 
+    def _fail_pending(self, error: Exception) -> None:
+        """Settle every pending call with ``error``, then complete their futures: a
+        callback of one may read another, which must be settled by then."""
+        for call in list(self._pending):
+            call.settle(False, error, complete=False)
+        self._run_completions()
+
     def _unlink_names(self) -> None:
         if self._bcast is not None and self._bcast.handle is not None:
             shm.unlink(self._bcast.handle.name)
@@ -1007,9 +1031,7 @@ class MultiprocExecutor(Executor):
     def _wake_callers(self) -> None:
         """Fail the pending calls and wake every blocked wait: a send is cancelled,
         a wait for a reply sees its queue aborted; both then raise ZbusError."""
-        error = ZbusError("executor is shut down")
-        for call in list(self._pending):
-            call.settle(False, self.failure.error or error)
+        self._fail_pending(self.failure.error or ZbusError("executor is shut down"))
         self.failure.cancel_waits()
         for rx in self._receivers:
             rx.abort()

@@ -114,7 +114,7 @@ class ReplyPipe:
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None
 
     def send(self, seq: int, result: Any, status: int) -> None:
         with self._lock:
@@ -122,9 +122,9 @@ class ReplyPipe:
                 self._put([seq, status, result])
                 return
             self._queue.append((seq, result, status))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._drain, name="zbus-replies", daemon=True)
-                self._thread.start()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._drain, name="zbus-replies", daemon=True)
+                self.thread.start()
             self._cond.notify()
 
     def _drain(self) -> None:
