@@ -797,7 +797,8 @@ class MultiprocExecutor(Executor):
         if self._workers is not None:
             threading.Thread(target=self._workers.stop, kwargs={"grace": FAILED_GRACE_S},
                              name="zbus-end-workers", daemon=True).start()
-        self._fail_pending(error)  # last: the futures' callbacks run here
+        self._fail_pending(error)
+        self._run_completions()  # last: the futures' callbacks run here
 
     # --- calls ---------------------------------------------------------------------
 
@@ -993,14 +994,13 @@ class MultiprocExecutor(Executor):
         finally:
             if sending:
                 self._send_lock.release()
-            self._run_completions()  # the pending calls' futures fail now
+            self._run_completions()  # the pending calls' futures fail now, every step done
 
     def _fail_pending(self, error: Exception) -> None:
-        """Settle every pending call with ``error``, then complete their futures: a
-        callback of one may read another, which must be settled by then."""
+        """Settle every pending call with ``error``; the caller then completes their
+        futures (a callback of one may read another, which must be settled by then)."""
         for call in list(self._pending):
             call.settle(False, error, complete=False)
-        self._run_completions()
 
     def _unlink_names(self) -> None:
         if self._bcast is not None and self._bcast.handle is not None:
