@@ -242,7 +242,9 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
 
 def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
     """Sabotage: no check of what a remote configuration names (worker class,
-    extension, remote code)."""
+    extension, remote code; a KV offloading spec module, an EC connector module, a
+    custom speculative proposer class, a compilation backend by qualified name,
+    each of which vLLM imports during ``init_device`` or ``load_model``)."""
     from types import SimpleNamespace as NS
 
     from zbus.errors import ZbusError
@@ -264,6 +266,51 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
             check_remote_config(config(**bad), set())
     check_remote_config(config(worker_cls="mine.Worker", trust_remote_code=True),
                         {"mine", "trust_remote_code"})
+
+    def with_parts(**parts):
+        c = config()
+        vars(c).update(parts)
+        return c
+
+    for parts, match in (
+            (dict(kv_transfer_config=NS(kv_connector_module_path=None, kv_connector_extra_config={
+                "spec_module_path": "evil"})), "offloading"),
+            (dict(ec_transfer_config=NS(ec_connector_module_path="evil")), "EC connector"),
+            (dict(speculative_config=NS(method="custom_class", model="evil.Proposer")), "proposer"),
+            (dict(compilation_config=NS(backend="evil.backend")), "compilation backend")):
+        with pytest.raises(ZbusError, match=match):
+            check_remote_config(with_parts(**parts), set())
+    check_remote_config(with_parts(compilation_config=NS(backend="inductor"),
+                                   speculative_config=NS(method="ngram", model=None)), set())
+
+
+def test_a_followers_worker_refuses_calls_that_undo_its_checks(wire):
+    """A follower checks the leader's configuration once, in ``init_worker``, against
+    what its environment allows: the vLLM worker methods that would change that
+    environment or configuration afterwards (or write files where the leader says)
+    are refused there, not on the leader's node. Before ``init_worker`` an unknown
+    name is an unknown method. Sabotage: no ``FOLLOWER_REFUSES`` check in
+    ``VllmWorker.__getattr__`` (``update_environment_variables`` set
+    ``ZBUS_VLLM_ALLOW`` for the leader); no check for a wrapper without its worker
+    (RecursionError)."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from zbus.errors import ZbusError
+    from zbus.vllm.worker import FOLLOWER_REFUSES, VllmWorker
+    from zbus.worker import resolve_method
+
+    def worker_on(node_rank):
+        worker = VllmWorker.__new__(VllmWorker)
+        worker.node_rank = node_rank
+        worker.wrapper = WorkerWrapperBase(rpc_rank=0, global_rank=0)  # no vLLM worker in it yet
+        return worker
+
+    for name in sorted(FOLLOWER_REFUSES):
+        with pytest.raises(ZbusError, match="refused"):
+            resolve_method(worker_on(1), name, False)
+    assert callable(resolve_method(worker_on(0), "update_environment_variables", False))
+    with pytest.raises(ZbusError, match="unknown method"):
+        resolve_method(worker_on(1), "no_such_method", False)
 
 
 def test_each_worker_names_its_own_gpu_as_vllm_counts_them(monkeypatch):

@@ -21,6 +21,11 @@ load_wire_modules()
 # (a worker class or extension, logits processors, a KV connector module), and
 # "trust_remote_code" to let it run a model repository's code.
 ALLOW_ENV = "ZBUS_VLLM_ALLOW"
+# vLLM worker methods a follower refuses from the leader: each would undo what
+# ``check_remote_config`` checked (the environment ``allowed`` reads, the configuration)
+# or write files where the leader says. vLLM's engine calls none of them on its own.
+FOLLOWER_REFUSES = frozenset({"update_environment_variables", "update_config", "save_sharded_state",
+                              "save_tensorized_model"})
 
 
 class VllmWorker(Worker):
@@ -110,9 +115,15 @@ class VllmWorker(Worker):
             current_platform.set_device(device)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name == "wrapper":
+        wrapper = self.__dict__.get("wrapper")
+        if name.startswith("_") or wrapper is None:
             raise AttributeError(name)
-        return getattr(self.wrapper, name)
+        if name in FOLLOWER_REFUSES and self.node_rank > 0:
+            raise ZbusError(f"method {name!r} refused: a follower node does not let the leader change "
+                            "its environment or configuration, or write its files")
+        if "worker" not in vars(wrapper) and not hasattr(type(wrapper), name):
+            raise AttributeError(name)  # (before init_worker the wrapper's own lookup recurses)
+        return getattr(wrapper, name)
 
 
 def created_queue_buffers() -> list:
@@ -208,6 +219,16 @@ def check_remote_config(config: Any, allow: set[str]) -> None:
     named("logits processors", getattr(mc, "logits_processors", None))
     kv = getattr(config, "kv_transfer_config", None)
     named("a KV connector module", getattr(kv, "kv_connector_module_path", None))
+    extra = getattr(kv, "kv_connector_extra_config", None)
+    named("a KV offloading spec module", extra.get("spec_module_path") if isinstance(extra, dict) else None)
+    ec = getattr(config, "ec_transfer_config", None)
+    named("an EC connector module", getattr(ec, "ec_connector_module_path", None))
+    spec = getattr(config, "speculative_config", None)
+    if getattr(spec, "method", None) == "custom_class":  # the model is a class vLLM imports
+        named("a speculative proposer class", getattr(spec, "model", None) or "?")
+    backend = getattr(getattr(config, "compilation_config", None), "backend", None)
+    if backend and (not isinstance(backend, str) or "." in backend):  # a qualified name vLLM imports
+        named("a compilation backend", backend)
     if mc.trust_remote_code and "trust_remote_code" not in allow:
         raise ZbusError(f"the leader's configuration asks to trust remote code of {mc.model!r}; "
                         f"this node refuses (set {ALLOW_ENV}=trust_remote_code on this node to allow it)")
