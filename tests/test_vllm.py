@@ -190,7 +190,9 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
     the module a name gives. Or remember every name received, refused ones too
     (``self._builders[name] = None`` before ``_builder`` in ``VllmTypes.build``):
     100 refused names grow the memory by 100. ``getattr`` in ``_wire_class`` or
-    ``_torch_dtype`` (as before): "vllm:LLM" imports vLLM's LLM, "has_cuda" runs."""
+    ``_torch_dtype`` (as before): "vllm:LLM" imports vLLM's LLM, "has_cuda" runs.
+    Look a Hugging Face model type up before its class name is compared (as
+    before): a refused name imports that type's configuration module."""
     import msgpack
     from vllm.v1.core.sched.output import KVConnectorBlockState
 
@@ -230,6 +232,12 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
                 codec.decode([msgpack.packb(msgpack.ExtType(7, msgpack.packb(["vllm:dtype", dtype])))])
     with pytest.raises(CodecError, match="transformers' table"):
         decode("transformers.models.llama.configuration_llama:LlamaConfig")  # no model_type
+    whisper = "transformers.models.whisper.configuration_whisper"  # a model type no test loads
+    assert whisper not in sys.modules
+    with pytest.raises(CodecError, match="transformers' table"):  # refused without importing it
+        codec.decode([msgpack.packb(msgpack.ExtType(7, msgpack.packb(
+            ["vllm:transformers.nope:X", {"model_type": "whisper"}])))])
+    assert whisper not in sys.modules
     # what the family remembers per name holds allowed types only: refused names
     # sent again and again cannot grow it
     family = codec._families["vllm"]

@@ -161,13 +161,15 @@ def _shutdown(zbus: Executor) -> None:
     unlink_prefixed(node_shm_prefix(zbus.torch_port, 0))
     # Failed: no worker may be there to answer. A step past its timeout (a worker
     # stuck in it): the answer would queue behind it, past the few seconds vLLM gives.
-    if zbus.failure.error is None and not zbus.overdue:
-        try:
-            zbus.collective_rpc("shutdown", timeout=SHUTDOWN_RPC_S)
-        except (ZbusError, TimeoutError) as e:
-            log.warning("workers' shutdown: %s", e)
-    log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
-    zbus.shutdown()
+    try:
+        if zbus.failure.error is None and not zbus.overdue:
+            try:
+                zbus.collective_rpc("shutdown", timeout=SHUTDOWN_RPC_S)
+            except (ZbusError, TimeoutError) as e:
+                log.warning("workers' shutdown: %s", e)
+            log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
+    finally:  # whatever ends the call (Ctrl-C): this runs once, so it stops everything
+        zbus.shutdown()
     log.info("zbus shut down in %.2f s", time.monotonic() - started)
 
 

@@ -210,8 +210,15 @@ def _hf_class(name: str, state: Any) -> type:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = state.get("model_type") if type(state) is dict else None
+    # The table's class name first: looking a model type up imports its module
+    # (unless it was registered at run time: then it is loaded already).
+    names = getattr(CONFIG_MAPPING, "_mapping", None)
+    if type(model_type) is not str or (
+            isinstance(names, dict) and model_type not in getattr(CONFIG_MAPPING, "_extra_content", {})
+            and names.get(model_type) != name.rpartition(":")[2]):
+        raise CodecError(f"type {name[:200]!r} is not a configuration class of transformers' table")
     try:
-        cls = CONFIG_MAPPING[model_type] if type(model_type) is str else None
+        cls = CONFIG_MAPPING[model_type]
     except KeyError:
         cls = None
     if cls is None or f"{cls.__module__}:{cls.__qualname__}" != name:
