@@ -18,8 +18,10 @@ from .wire import load_wire_modules
 load_wire_modules()
 
 # Comma-separated names this node allows a leader's configuration to name as code
-# (a worker class or extension, logits processors, a KV connector module), and
-# "trust_remote_code" to let it run a model repository's code.
+# (see check_remote_config: a worker class or extension, logits processors, a KV
+# connector or offloading spec module, an EC connector module, a speculative proposer
+# class, a compilation backend), and "trust_remote_code" to let it run a model
+# repository's code.
 ALLOW_ENV = "ZBUS_VLLM_ALLOW"
 # vLLM worker methods a follower refuses from the leader: each would undo what
 # ``check_remote_config`` checked (the environment ``allowed`` reads, the configuration)
