@@ -96,6 +96,24 @@ def test_a_finished_call_goes_with_its_future_not_at_the_next_collection(ex):
     assert left == 0
 
 
+def test_a_call_completed_in_the_background_is_not_kept_by_the_completer(ex):
+    """The completer thread keeps no reference to the last call it read (its loop's
+    local held it, with its replies, until the next call: the test above failed
+    once in CI). Sabotage: read the heads in ``_run`` itself again → 1 call left."""
+    import gc
+
+    from zbus.executor import Call
+
+    fut = ex.collective_rpc("rank_value", args=(1,), non_block=True)
+    deadline = time.monotonic() + 30
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert fut.result(timeout=0) == [10, 11]
+    del fut
+    gc.collect()
+    assert sum(1 for o in gc.get_objects() if type(o) is Call) == 0
+
+
 def test_non_blocking_futures_complete_by_themselves(ex):
     """done(), add_done_callback, concurrent.futures.wait and asyncio.wrap_future
     work with nobody calling result(). Sabotage: no completer (futures that finish

@@ -610,11 +610,7 @@ class Completer:
             if not ex._recv_lock.acquire(timeout=self.SLICE_S):
                 continue
             try:
-                while self._undone > 0 and not self._stopped and ex._pending and not self._callers:
-                    head = ex._pending[0]
-                    ex._complete_head(time.monotonic() + self.SLICE_S)
-                    if head.future is not None:
-                        break  # its future completes now, once the lock is released
+                self._read_heads()
             except TimeoutError:
                 ex._expire_due()
             except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
@@ -625,6 +621,17 @@ class Completer:
             finally:
                 ex._recv_lock.release()
                 ex._run_completions()
+
+    def _read_heads(self) -> None:
+        """Complete the pending calls in order, holding the reply lock, until one
+        has a future (it completes once the lock is released) or a caller waits. A
+        method of its own: the call it read must not outlive it in ``_run``'s frame."""
+        ex = self._executor
+        while self._undone > 0 and not self._stopped and ex._pending and not self._callers:
+            head = ex._pending[0]
+            ex._complete_head(time.monotonic() + self.SLICE_S)
+            if head.future is not None:
+                return
 
 
 class MultiprocExecutor(Executor):
