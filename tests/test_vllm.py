@@ -9,9 +9,11 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import warnings
@@ -41,7 +43,8 @@ class Engine:
 
     def __init__(self, backend: str, *args: str, node=None, env: dict | None = None, log=None):
         full_env = dict(os.environ, **VLLM_ENV, **(env or {}))
-        argv = [sys.executable, DRIVER, backend, *args]
+        self.model = tempfile.mkdtemp(prefix="zbus-vllm-model-")
+        argv = [sys.executable, DRIVER, backend, "--model", self.model, *args]
         self.log = log
         if node is None:
             self.proc = psutil.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -82,7 +85,10 @@ class Engine:
         return workers
 
     def close(self) -> None:
-        end_tree(self.proc, 30)
+        try:
+            end_tree(self.proc, 30)
+        finally:
+            shutil.rmtree(self.model, ignore_errors=True)
 
 
 def end_tree(proc: psutil.Popen, timeout: float) -> None:
@@ -168,13 +174,13 @@ def test_model_runner_and_grammar_outputs_round_trip(wire):
     assert type(got) is GrammarOutput and (got.grammar_bitmask == grammar.grammar_bitmask).all()
 
 
-def test_the_engine_configuration_round_trips(wire):
+def test_the_engine_configuration_round_trips(wire, tmp_path):
     """The VllmConfig that reaches a worker describes the same engine."""
     from vllm import EngineArgs
 
     from zbus.vllm.bench import tiny_model
 
-    config = EngineArgs(model=tiny_model(), load_format="dummy", skip_tokenizer_init=True,
+    config = EngineArgs(model=tiny_model(str(tmp_path)), load_format="dummy", skip_tokenizer_init=True,
                         tensor_parallel_size=2, enforce_eager=True,
                         max_model_len=256).create_engine_config()
     got = round_trip(config)
@@ -335,7 +341,7 @@ def test_each_worker_names_its_own_gpu_as_vllm_counts_them(monkeypatch):
     assert device_index(1) == 1
 
 
-def test_cores_are_planned_for_the_workers_of_this_node(monkeypatch, wire):
+def test_cores_are_planned_for_the_workers_of_this_node(monkeypatch, wire, tmp_path):
     """Two nodes of one worker each (TP=2): each node binds its one worker as
     vLLM's multi-node executor would, from a list of its own cores. Sabotage: plan
     from vLLM's configuration as it is (the whole world on one node) → a one-entry
@@ -345,7 +351,7 @@ def test_cores_are_planned_for_the_workers_of_this_node(monkeypatch, wire):
     from zbus.vllm.bench import tiny_model
     from zbus.vllm.worker import cpu_plan
 
-    config = EngineArgs(model=tiny_model(), load_format="dummy", skip_tokenizer_init=True,
+    config = EngineArgs(model=tiny_model(str(tmp_path)), load_format="dummy", skip_tokenizer_init=True,
                         tensor_parallel_size=2, enforce_eager=True,
                         max_model_len=256).create_engine_config()
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")

@@ -1,7 +1,7 @@
 """A vLLM engine on a tiny model made here (seeded random weights, no download),
 for the vLLM tests. Prints one JSON line per event.
 
-    python vllm_driver.py BACKEND --tp N [--pp N] [--tokens N] [--prompts N] [--hold]
+    python vllm_driver.py BACKEND --model DIR --tp N [--pp N] [--tokens N] [--prompts N] [--hold]
 
 ``--hold`` keeps generating until the engine fails (a test kills a worker) and
 reports the error and when it came.
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--hold", action="store_true")
+    ap.add_argument("--model", required=True, help="an empty folder: the tiny model is made in it")
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -38,7 +39,7 @@ def main() -> None:
     if "." in backend:  # a class: vLLM asks a class, not its name, whether it supports PP
         module, _, name = backend.rpartition(".")
         backend = getattr(__import__(module, fromlist=[name]), name)
-    model = tiny_model()
+    model = tiny_model(a.model)
     started = time.monotonic()
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, seed=0, enforce_eager=True,
               tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp, max_model_len=256,

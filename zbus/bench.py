@@ -23,6 +23,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -540,9 +541,9 @@ def bench_vllm_hosts(seconds: float) -> list[Row]:
     from . import netns
     from .vllm.bench import headless_follower, tiny_model
 
-    with netns.NetnsCluster(2) as c:
+    with tempfile.TemporaryDirectory(prefix="zbus-vllm-model-") as model, netns.NetnsCluster(2) as c:
         leader, host = c.nodes
-        model = tiny_model()
+        tiny_model(model)
         keys = {"ZBUS_SECRET": "zbus-bench-vllm-two-hosts", "ZBUS_NODE_RANK": "1"}
         host.start([os.path.join(os.path.dirname(sys.executable), "zbus"), "follower", "--master-addr",
                     leader.address, "--nproc-per-node", "1", "--allow-import-calls"],
@@ -561,8 +562,6 @@ def bench_vllm_hosts(seconds: float) -> list[Row]:
 def bench_curve(seconds: float) -> list[Row]:
     """The cost of CurveZMQ: two 2-node clusters on loopback, one keyed, one not,
     measured in alternating blocks: no-op and 16 MiB round trips."""
-    import tempfile
-
     import torch
     import zmq
 

@@ -36,9 +36,9 @@ TINY_LLAMA = {
 }
 
 
-def tiny_model(folder: str | None = None) -> str:
-    """A model folder holding only a config: vLLM fills it with seeded random weights."""
-    folder = folder or tempfile.mkdtemp(prefix="zbus-vllm-model-")
+def tiny_model(folder: str) -> str:
+    """``folder`` made a model folder holding only a config: vLLM fills it with
+    seeded random weights."""
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(TINY_LLAMA, f)
     return folder
@@ -158,13 +158,14 @@ def rows(case: str, samples: dict[str, dict], base: str) -> list[dict]:
 def one_node(seconds: float) -> list[dict]:
     from .executor import ZbusExecutor
 
-    model = tiny_model()
-    engines = [("zbus", engine(ZbusExecutor, model)), ("mp", engine("mp", model))]
-    try:
-        samples = compare(engines, seconds)
-    finally:
-        for _, llm in engines:
-            llm.llm_engine.engine_core.shutdown()
+    with tempfile.TemporaryDirectory(prefix="zbus-vllm-model-") as model:
+        tiny_model(model)
+        engines = [("zbus", engine(ZbusExecutor, model)), ("mp", engine("mp", model))]
+        try:
+            samples = compare(engines, seconds)
+        finally:
+            for _, llm in engines:
+                llm.llm_engine.engine_core.shutdown()
     return rows(f"1 node, TP=2: decode step ({TOKENS} tokens a block)", samples, "vLLM mp executor")
 
 
@@ -173,7 +174,7 @@ def two_nodes(seconds: float, iface: str, master_addr: str, port: int) -> list[d
 
     from .executor import ZbusExecutor
 
-    model = tiny_model(os.environ.get("ZBUS_BENCH_MODEL"))
+    model = os.environ["ZBUS_BENCH_MODEL"]  # made by the caller: the other host reads it too
     egress = lambda: psutil.net_io_counters(pernic=True)[iface].bytes_sent  # noqa: E731
     zbus = engine(ZbusExecutor, model)
     mp = engine("mp", model, nnodes=2, node_rank=0, master_addr=master_addr, master_port=port)
