@@ -465,6 +465,8 @@ def good_welcome(**changes):
     ({"master_addr": "x" * 5000}, "master_addr"), ({"reply_address": "ipc:///tmp/x"}, "reply_address"),
     ({"spec": {"worker": None}}, "spec"), ({"env": {"A": "x" * 100000}}, "env"),
     ({"env": {str(i): "" for i in range(2000)}}, "env"),
+    ({"env": {"A": "x\0y"}}, "env"), ({"env": {"A=B": "1"}}, "env"), ({"env": {"A\0": "1"}}, "env"),
+    ({"master_addr": "10.0.0.1\0"}, "master_addr"),
     ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": 3600.0}}, "poll_s"),
     ({"spec": {"worker": "zbus.demo:DemoWorker", "poll_s": "1"}}, "poll_s"),
     ({"max_reply": 0}, "max_reply"), ({"max_reply": "1"}, "max_reply"),
@@ -740,6 +742,54 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
             assert ex.collective_rpc("rank_value", args=(3,), timeout=30) == [30, 31]
             push.close()
         assert proc.wait(30) == 0
+    finally:
+        ctx.destroy(linger=0)
+        end_process(proc)
+
+
+def test_a_serving_follower_ignores_messages_of_the_wrong_shape():
+    """A leader (or one posing as it, without keys) welcomes a follower, then sends
+    a call with nothing in it and control messages that are no list (an array's
+    ``==`` has no truth value): the follower drops them, heartbeats on, and ends
+    cleanly at ``bye``. Sabotage: relay the empty call (IndexError), or let
+    ``NodeAgent._decode`` pass what is no list (ValueError): the agent leaves the
+    cluster ("the node agent failed", its traceback logged) and exits 1."""
+    from zbus.cluster import node_topic
+
+    port = free_port_pair()
+    ctx = zmq.Context()
+    xpub, pull = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
+    xpub.bind(f"tcp://127.0.0.1:{port}")
+    pull.bind(f"tcp://127.0.0.1:{port + 1}")
+    proc = follower(port, "--node-rank", "1")
+    try:
+        assert pull.poll(30_000), "no join"
+        join = codec.decode(pull.recv_multipart())
+        topic = node_topic(join[1])
+        wait_until(lambda: xpub.poll(100) and xpub.recv() == b"\x01" + topic, 30, "the node topic subscribed")
+        welcome = good_welcome(nproc_per_node=1, master_addr="127.0.0.1", env={},
+                               reply_address=f"tcp://127.0.0.1:{port + 1}",
+                               spec={"worker": "workers:EchoWorker", "kwargs": {}})
+        xpub.send_multipart([topic, *codec.encode(["welcome", welcome])])
+        array = codec.encode(np.array([1, 2]))
+        for bad in ([b"R"], [b"R*"], [topic + b"R"], [b"H", *array], [topic, *array], [b"RP", *array],
+                    [b"HP", *codec.encode({"probe": 1})]):
+            xpub.send_multipart(bad)
+
+        def heartbeat() -> bool:  # the follower's, read after the bad messages; ours keep it alive
+            xpub.send_multipart([b"H", *codec.encode(["hb", 0])])
+            while pull.poll(200):
+                msg = codec.decode(pull.recv_multipart())
+                if msg[:2] == ["hb", 1]:
+                    return True
+            return proc.poll() is not None
+        for _ in range(3):  # (one sent before the bad messages were read would prove nothing)
+            wait_until(heartbeat, 30, "a heartbeat of the follower")
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        xpub.send_multipart([topic, *codec.encode(["bye"])])
+        assert proc.wait(30) == 0, proc.stderr.read()[-2000:]
+        err = proc.stderr.read()
+        assert "Traceback" not in err and err.count("dropped a") == 7, err[-3000:]
     finally:
         ctx.destroy(linger=0)
         end_process(proc)

@@ -84,8 +84,8 @@ def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None
     def is_int(key: str, lo: int, hi: int) -> bool:
         return type(w.get(key)) is int and lo <= w[key] <= hi
 
-    def is_text(value: Any) -> bool:
-        return type(value) is str and 0 < len(value) <= MAX_TEXT
+    def is_text(value: Any) -> bool:  # (a NUL byte fails the workers' start: Popen refuses it)
+        return type(value) is str and 0 < len(value) <= MAX_TEXT and "\0" not in value
 
     # (types before values: == on a numpy array, say, raises)
     if type(w.get("nproc_per_node")) is not int or w["nproc_per_node"] != nproc:
@@ -113,7 +113,8 @@ def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None
         return f"poll_s {brief(poll)} outside 0..{MAX_POLL_S} s"
     env = w.get("env", {})
     if not isinstance(env, dict) or len(env) > MAX_ENV or not all(
-            is_text(k) and type(v) is str and len(v) <= 65536 for k, v in env.items()):
+            is_text(k) and "=" not in k and type(v) is str and len(v) <= 65536 and "\0" not in v
+            for k, v in env.items()):
         return f"env is not at most {MAX_ENV} short string variables"
     return None
 
@@ -201,10 +202,12 @@ class NodeAgent:
             log.error("%s: ending this node's workers", e)
             self._stop_grace = 0.2  # no leader to answer: free the GPUs at once
             return 1
-        except ZbusError as e:
-            log.error("%s", e)
+        except Exception as e:  # noqa: BLE001 - a ZbusError, or a defect: the leader learns either
+            known = isinstance(e, ZbusError)
+            why = str(e) if known else f"the node agent failed: {type(e).__name__}: {e}"
+            log.error("%s", why, exc_info=not known)
             if self.workers is not None:  # a member: its callers learn why now, not a liveness limit later
-                self._send_to_leader(["leaving", self.node_rank, str(e)[:500]], timeout=0.2)
+                self._send_to_leader(["leaving", self.node_rank, why[:500]], timeout=0.2)
             return 1
         finally:
             self._close()
@@ -357,7 +360,10 @@ class NodeAgent:
                         continue
                     topic = bytes(frames[0])
                     if topic.removesuffix(protocol.PARTS) in call_topics:  # (node topic: sent again)
-                        self._relay(self._call_frames(topic, frames[1:]))
+                        if len(frames) > 1:
+                            self._relay(self._call_frames(topic, frames[1:]))
+                        else:
+                            log.warning("dropped a call message with nothing in it")
                     elif topic in PROBE_TOPICS:
                         self._on_probe(topic, self._decode(frames[1:]))
                     elif topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id):
@@ -587,17 +593,17 @@ class NodeAgent:
         frames = self.sub.recv_multipart(copy=False)
         return frames[0].bytes, self._decode([f.buffer for f in frames[1:]])
 
-    def _decode(self, frames: list) -> Any:
-        """A control message of plain items, or None. The leader sends no arrays or
-        tensors here, and one would fail the comparisons that read the message
-        (their ``==`` has no truth value)."""
+    def _decode(self, frames: list) -> list | None:
+        """A control message (a list of plain items), or None. The leader sends no
+        arrays or tensors here, and one would fail the comparisons that read the
+        message (their ``==`` has no truth value)."""
         try:
             msg = codec.decode(frames)
         except CodecError as e:
             log.warning("dropped a malformed control message: %s", e)
             return None
-        if type(msg) is list and not all(type(x) in _PLAIN for x in msg):
-            log.warning("dropped a control message with an item of no plain type")
+        if type(msg) is not list or not all(type(x) in _PLAIN for x in msg):
+            log.warning("dropped a control message that is not a list of plain items: %s", brief(msg))
             return None
         return msg
 
