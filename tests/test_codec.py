@@ -999,11 +999,11 @@ def test_a_buffer_frame_may_be_used_once(second):
 
 def test_nested_extension_bodies_count_against_the_byte_budget():
     """msgpack hands each extension body over as a copy, so every level of nesting
-    copies what it holds again: 60 tuples around 1 MiB of inline bytes would make
-    60 MiB. Fails if extension bodies are not counted against the byte budget."""
+    copies what it holds again: 30 tuples around 1 MiB of inline bytes would make
+    30 MiB. Fails if extension bodies are not counted against the byte budget."""
     body = header([b"x" * 2**20])
-    for _ in range(60):
-        body = header(msgpack.ExtType(TUPLE, body))
+    for _ in range(30):
+        body = header(msgpack.ExtType(TUPLE, b"\x91" + body))
     with pytest.raises(zbus.CodecError) as e:
         decode([body])
     assert str(e.value) == "decoding this message would exceed its byte budget (4x its size + 1 MiB)"
@@ -1359,6 +1359,38 @@ def test_import_zbus_does_not_import_torch():
                          timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "clean"
+
+
+def test_extensions_nested_as_deep_as_allowed_decode_on_a_small_thread_stack():
+    """A thread with 2 MiB of stack (what glibc gives under ``ulimit -s unlimited``)
+    decodes the deepest tuples the depth limit lets through, and refuses a 192-byte
+    header of 64 extensions each right inside the last (no list between, as every
+    body has), whose nested unpackers crashed the process. Sabotage: no first-byte
+    check in ``_Decoder.ext`` -> the child dies of SIGSEGV."""
+    code = textwrap.dedent("""
+        import threading, msgpack, zbus.codec as c
+        bare = msgpack.packb(0)
+        for _ in range(64):
+            bare = msgpack.packb(msgpack.ExtType(1, bare))
+        deep = 0
+        for _ in range(32):  # a tuple in a tuple: two levels each, MAX_DEPTH in all
+            deep = (deep,)
+        out = []
+        def run():
+            out.append(c.decode(c.encode(deep)) == deep)
+            try:
+                c.decode([bare])
+            except c.CodecError as e:
+                out.append(str(e))
+        threading.stack_size(2 * 2**20)
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        print(out)
+        """)
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
+    assert res.stdout.strip() == "[True, 'extension type 1 right inside another']", res.stdout
 
 
 def test_tensors_need_only_torch_not_numpy():

@@ -336,6 +336,11 @@ class _Decoder:
 
     def ext(self, code: int, data: bytes) -> Any:
         self.spend(len(data))  # msgpack hands each body over as a copy: nesting copies again
+        if data and data[0] in _EXT_BYTES:
+            # (every body is a list) One extension right inside another would nest a
+            # msgpack unpacker (tens of KiB of C stack) per level the depth check
+            # counts: 64, a crash on a thread stack of 2 MiB; a list between keeps it to 32.
+            raise CodecError(f"extension type {code} right inside another")
         body = self.unpack(data)
         if code == _TUPLE and type(body) is list:
             return tuple(body)
@@ -483,7 +488,8 @@ _LIST = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # width of the
 _FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}  # body size
 _EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # width of the body size
 _ONE_BYTE_ITEMS = re.compile(rb"[\x00-\x7f\xa0\xc0\xc2\xc3\xe0-\xff]+")
-_LEVELS = bytes([*range(0x80, 0xa0), *_LIST, *_FIXEXT, *_EXT])  # type bytes that open a level
+_EXT_BYTES = frozenset([*_FIXEXT, *_EXT])
+_LEVELS = bytes([*range(0x80, 0xa0), *_LIST, *_EXT_BYTES])  # type bytes that open a level
 # Extension type -1 is msgpack's timestamp, which msgpack builds itself (no ext_hook)
 # from a body of 4, 8 or 12 bytes: a header that may hold one is walked, which
 # refuses it like any code not in _EXT_CODES.
