@@ -1151,6 +1151,53 @@ def test_a_done_callback_of_a_future_past_its_timeout_reads_the_timeout(ex):
     assert ex.collective_rpc("rank_value", args=(1,), timeout=10) == [10, 11]
 
 
+def test_a_base_exception_or_a_message_that_is_no_call_does_not_end_a_worker(ex):
+    """A method that raises ``asyncio.CancelledError`` (a BaseException: from a
+    cancelled task, say) is answered with it, and a message on the ring whose
+    envelope is no call, or that has no frame, is dropped: the same workers serve
+    the next call. Sabotage: catch only ``Exception`` in ``run_call``, or read the
+    envelope outside the try in ``handle`` -> the workers exit, WorkerDiedError."""
+    pids = [w["pid"] for w in ex.collective_rpc("whoami", timeout=30)]
+    with pytest.raises(zbus.RemoteError, match="CancelledError: the task was cancelled"):
+        ex.collective_rpc("cancelled", timeout=30)
+    ex._bcast.ring.send([b"\x93\x01\x02\x03"], timeout=10)
+    ex._bcast.ring.send([], timeout=10)
+    assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+    assert [w["pid"] for w in ex.collective_rpc("whoami", timeout=30)] == pids
+
+
+@pytest.mark.parametrize("backend", ["mp", "inproc"])
+def test_an_error_whose_text_cannot_be_made_is_answered_and_the_worker_serves_on(backend):
+    """A method raises an exception whose ``__str__`` raises: the caller gets a
+    RemoteError naming its type, and the next call answers. Sabotage: take
+    ``str(exc)`` as it is in ``ExceptionInfo.from_exception`` -> with worker
+    processes a CodecError that does not name it; on ``inproc`` the caller gets
+    the RuntimeError its ``__str__`` raised."""
+    with zbus.Executor(EchoWorker, nproc_per_node=1, backend=backend) as ex:
+        with pytest.raises(zbus.RemoteError, match="Unprintable"):
+            ex.collective_rpc("unprintable", timeout=10)
+        assert ex.collective_rpc("rank_value", args=(1,), timeout=10) == [10]
+
+
+def test_a_reply_sent_later_is_not_kept_by_the_reply_thread():
+    """The thread that sends the replies of returned futures keeps no reference to
+    the last one (a lent argument in it would be copied out of the ring at the next
+    receive, and the next large calls copied too). Sabotage: no ``del result`` in
+    ``ReplyPipe._drain`` -> the value lives on."""
+    import gc
+    import weakref
+
+    class Value:
+        pass
+
+    with zbus.Executor(EchoWorker, nproc_per_node=1, backend="inproc") as ex:
+        value = Value()
+        alive = weakref.ref(value)
+        assert ex.collective_rpc("later", args=(value, 0.01), timeout=10) == [value]
+        del value
+        wait_until(lambda: gc.collect() >= 0 and alive() is None, 5, "the value freed")
+
+
 @pytest.mark.parametrize("payload", [[], [protocol.NO_ARGS]], ids=["arguments_undecodable", "no_arguments"])
 def test_a_method_name_nested_deep_is_refused_not_the_end_of_the_worker(payload):
     """A call whose method is a list nested 1000 deep (1 KiB, an envelope
@@ -1241,5 +1288,6 @@ def test_worker_message_handling_byte_for_byte():
                 [b"\x91" * 1000 + b"\x01"], [b"\xdd\x00\x80\x00\x00" + b"\x90" * 64],  # deep; 8M items
                 [codec.encode([protocol.CALL, 1, "m" * 70_000, 0, 1, 0])[0]]):
         with pytest.raises(zbus.errors.CodecError):
-            handle(worker, bad, replies, False)
+            protocol.read_envelope(bad[0])
+        assert handle(worker, bad, replies, False)  # dropped: the worker serves on
     assert not sent

@@ -11,6 +11,7 @@ remote one's never reaches the caller (the call waits out its timeout)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -63,6 +64,31 @@ def test_callbacks_run_outside_the_lock_and_a_raising_one_stops_no_other():
         failure.on_failure(cb)
     failure.fail(error)
     assert seen == [("late", error), error]
+
+
+@pytest.mark.parametrize("thread_name", ["zbus-worker-monitor", "a-callers-thread"])
+def test_a_callbacks_systemexit_stops_no_other_callback(thread_name):
+    """A failure callback that calls ``sys.exit`` (a natural "stop the program"
+    hook) skipped every callback after it, and ended the thread that watches the
+    workers without a word. The rest run first; then a caller's thread gets the
+    SystemExit, zbus's own thread logs it and goes on. Sabotage: catch only
+    ``Exception`` in ``failure._run`` -> the later callback never runs."""
+    failure, seen, out = Failure(), [], []
+    failure.on_failure(lambda e: sys.exit(3))
+    failure.on_failure(seen.append)
+    error = zbus.WorkerDiedError(1, -9)
+
+    def run():
+        try:
+            out.append(failure.fail(error))
+        except SystemExit as e:
+            out.append(f"exit {e.code}")
+
+    t = threading.Thread(target=run, name=thread_name)
+    t.start()
+    t.join(10)
+    assert seen == [error] and failure.error is error
+    assert out == (["exit 3"] if thread_name == "a-callers-thread" else [True])
 
 
 def test_nothing_fails_once_closed():

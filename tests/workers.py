@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import os
@@ -12,6 +13,11 @@ import time
 import zbus
 import zbus.executor
 import zbus.worker
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("this error cannot be put in words")
 
 
 class EchoWorker(zbus.Worker):
@@ -48,6 +54,12 @@ class EchoWorker(zbus.Worker):
 
     def rank_value(self, x):
         return x * 10 + self.rank
+
+    def unprintable(self):
+        raise Unprintable()
+
+    def cancelled(self):
+        raise asyncio.CancelledError("the task was cancelled")  # a BaseException, not an Exception
 
     def boom(self, msg="boom"):
         raise ValueError(msg)

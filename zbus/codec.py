@@ -72,7 +72,11 @@ class ExceptionInfo:
         t = type(exc)
         name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
         tb = "".join(traceback.format_exception(t, exc, exc.__traceback__))
-        return cls(name, str(exc), tb)
+        try:
+            message = str(exc)
+        except Exception as e:  # noqa: BLE001 - its type and traceback still travel
+            message = f"<its text could not be made: {type(e).__name__}>"
+        return cls(name, message, tb)
 
 
 def register(cls: type, name: str | None = None) -> type:

@@ -31,7 +31,7 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
-from .failure import Failure
+from .failure import Failure, raise_if_callers
 from .leader import Leader
 from .metrics import Metrics, serve_prometheus
 from .processes import LocalWorkers, with_gloo_ifname
@@ -395,11 +395,7 @@ class Executor:
                         escaped = escaped or e  # (Future catches Exception): the rest complete first
             finally:
                 self._completing.release()
-        if escaped is not None:
-            if not threading.current_thread().name.startswith("zbus-"):
-                raise escaped  # the caller's own: its Ctrl-C
-            log.error("a future's done-callback raised %r in %s: ignored", escaped,
-                      threading.current_thread().name)
+        raise_if_callers(escaped, "a future's done-callback")
 
 
 class InprocExecutor(Executor):

@@ -44,8 +44,7 @@ class Failure:
             callbacks, self._callbacks = self._callbacks, []
         log.error("executor failed: %s", error)
         self.cancel.set()
-        for callback in callbacks:
-            _run(callback, error)
+        _run(callbacks, error)
         return True
 
     def on_failure(self, callback: Callback) -> None:
@@ -54,7 +53,7 @@ class Failure:
             if self.error is None:
                 self._callbacks.append(callback)
                 return
-        _run(callback, self.error)
+        _run([callback], self.error)
 
     def close(self) -> None:
         """Shutting down: no error fails from now on (the callbacks never run)."""
@@ -71,8 +70,23 @@ class Failure:
             raise self.error
 
 
-def _run(callback: Callback, error: Exception) -> None:
-    try:
-        callback(error)
-    except Exception:  # noqa: BLE001 - one callback's bug must not stop the others
-        log.exception("failure callback raised")
+def _run(callbacks: list[Callback], error: Exception) -> None:
+    escaped: BaseException | None = None
+    for callback in callbacks:
+        try:
+            callback(error)
+        except Exception:  # noqa: BLE001 - one callback's bug must not stop the others
+            log.exception("failure callback raised")
+        except BaseException as e:  # noqa: BLE001 - SystemExit, Ctrl-C: the rest run first
+            escaped = escaped or e
+    raise_if_callers(escaped, "a failure callback")
+
+
+def raise_if_callers(escaped: BaseException | None, what: str) -> None:
+    """Raise what a callback let out (``SystemExit``, Ctrl-C) once the others ran,
+    on a caller's thread; on one of zbus's own, whose work must go on, log it."""
+    if escaped is None:
+        return
+    if not threading.current_thread().name.startswith("zbus-"):
+        raise escaped
+    log.error("%s raised %r in %s: ignored", what, escaped, threading.current_thread().name)

@@ -143,9 +143,17 @@ class ReplyPipe:
                     self._put([seq, status, result])
                 except Exception as e:  # noqa: BLE001 - this thread must live on: report it
                     log.exception("reply to call %d failed", seq)
-                    self._put([seq, protocol.RAISED, e])
-                self._queue.popleft()
+                    self._put_error(seq, e)
+                finally:
+                    self._queue.popleft()
+            del result  # (a lent argument it holds would be copied at the next receive)
             self._then()
+
+    def _put_error(self, seq: int, error: Exception) -> None:
+        try:
+            self._put([seq, protocol.RAISED, error])
+        except Exception:  # noqa: BLE001 - the caller's timeout or the executor's failure tells it
+            log.exception("the error reply to call %d failed too", seq)
 
 
 def run_call(worker: Any, method: Any, args: Any, kwargs: Any, allow_import: bool) -> tuple[Any, int]:
@@ -159,7 +167,9 @@ def run_call(worker: Any, method: Any, args: Any, kwargs: Any, allow_import: boo
         return e, protocol.RAISED
     try:
         return func(*args, **(kwargs or {})), protocol.OK
-    except Exception as e:  # noqa: BLE001 - reported; the worker keeps serving
+    except (SystemExit, KeyboardInterrupt):
+        raise  # the worker's way out
+    except BaseException as e:  # noqa: BLE001 - asyncio.CancelledError too: reported, the worker serves on
         return e, protocol.RAISED
 
 
@@ -198,7 +208,11 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     buffer is free for the next one as soon as this returns.)"""
     from . import codec
 
-    envelope = protocol.read_envelope(frames[0])
+    try:
+        envelope = protocol.read_envelope(frames[0])
+    except (CodecError, IndexError) as e:  # (no frame) no call number to answer: serve the next
+        log.error("rank %d dropped a message that is no call: %s", worker.rank, e)
+        return True
     if envelope[0] == protocol.STOP:
         return False
     _, seq, method, reply_rank, n_payload, answered = envelope
