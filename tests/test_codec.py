@@ -1393,6 +1393,42 @@ def test_extensions_nested_as_deep_as_allowed_decode_on_a_small_thread_stack():
     assert res.stdout.strip() == "[True, 'extension type 1 right inside another']", res.stdout
 
 
+def test_the_object_estimate_covers_tensors_and_arrays_on_frames():
+    """The walk charged every extension 64 bytes; a 0-d tensor on a frame of its own
+    (15 bytes of header) builds 1.4 KiB (``frombuffer``, then a strided view), an
+    array 0.8 KiB: a header of 500 000 tensors that the object budget let through
+    grew the receiver by 537 MiB against its 272 MiB budget. The estimate is now at
+    least 0.9x what decoding grows the process by (RSS, in a process of its own;
+    tracemalloc does not see torch's memory), and 200 000 such tensors are refused.
+    Sabotage: charge 64 for tensors and arrays in ``_EXT_OBJECT`` -> 0.3x to 0.5x,
+    and the 200 000 decode."""
+    code = textwrap.dedent("""
+        import gc, struct, msgpack, psutil, torch, numpy as np, zbus.codec as c
+        rss = lambda: (gc.collect(), psutil.Process().memory_info().rss)[1]
+        torch.zeros(1).as_strided([], []), np.zeros(1)  # (their first use allocates)
+        def message(n, code, body):
+            ext = lambda i: msgpack.ExtType(code, msgpack.packb([*body, i]))  # noqa: E731
+            items = b"".join(msgpack.packb(ext(i)) for i in range(n))
+            return [b"\\xdd" + struct.pack(">I", n) + items] + [bytearray(b"\\x01") for _ in range(n)]
+        for name, code, body in (("0-d tensors", 2, ["bool", [], []]), ("1-d tensors", 2, ["bool", [1], [1]]),
+                                 ("arrays", 3, ["|u1", [1]])):
+            frames = message(20_000, code, body)
+            before = rss()
+            out = c.decode(frames)
+            print(name, c.object_bytes(frames[0]) / (rss() - before))
+            del out, frames
+        try:
+            c.decode(message(200_000, 2, ["bool", [], []]))
+        except c.CodecError as e:
+            print("refused", 1)
+        """)
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ratios = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in res.stdout.splitlines()}
+    assert ratios.pop("refused", None) == 1, ratios
+    assert len(ratios) == 3 and all(r >= 0.9 for r in ratios.values()), ratios
+
+
 def test_tensors_need_only_torch_not_numpy():
     """A venv may have torch without numpy. Fails if encoding a tensor goes through
     ``tensor.numpy()`` (RuntimeError: Numpy is not available)."""

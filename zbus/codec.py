@@ -501,6 +501,11 @@ _TIMESTAMPS = (b"\xd6\xff", b"\xd7\xff", *(bytes([0xc7, n, 0xff]) for n in (4, 8
                *(bytes([0xc8, 0, n, 0xff]) for n in (4, 8, 12)),
                *(bytes([0xc9, 0, 0, 0, n, 0xff]) for n in (4, 8, 12)))
 _EXT_CODES = frozenset({_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT})
+# What an extension builds beyond its list, where more than 64 bytes (measured,
+# 64-bit CPython, torch 2.13): a memoryview (its bytearray, buffer and view); a
+# tensor on a frame (from the frame, then a strided view of it: 1454 B for a 0-d
+# tensor in all); an array on a frame (839 B).
+_EXT_OBJECT = {_BYTES: 304, _TENSOR: 1280, _NDARRAY: 640}
 _NEGATIVE_FIXINTS = bytes(range(0xe0, 0xfb))  # -32..-6: ints Python makes anew (from -5 it keeps)
 _INT_OBJECT = 40  # bytes of such an int, and its slot
 _WORST_ITEM = 160 + 16  # bytes of objects one header byte may become: an empty map in an array
@@ -557,7 +562,7 @@ def _walk(data: bytes, budget: int | None = None) -> int:
     CPython's sizes (64-bit): a list 64 bytes and 16 an item (a slot, and a
     slot of the tuple an extension makes of it), a dict 160 and 48 an entry, an
     int, float or short str of n bytes 48 + 2n, a longer str or bytes 56 + 2n,
-    an extension 64, a bytes extension 304 (it may be a memoryview); refuse the
+    an extension 64 or more (``_EXT_OBJECT``: a tensor 1280); refuse the
     header once that passes ``budget``. Returns the estimate."""
     end, pos, fixed = len(data), 0, _FIXED
     left, body_end = 1, -1  # items left at this level; where its extension body ends
@@ -607,7 +612,7 @@ def _walk(data: bytes, budget: int | None = None) -> int:
                 raise CodecError("unknown extension type")
             items, pos = 1, pos + 2 + w
             inner_end = pos + size
-            spent += 64 if code != _BYTES else 304  # a memoryview: its bytearray, buffer and view
+            spent += _EXT_OBJECT.get(code, 64)
         else:
             raise CodecError(f"reserved type byte 0x{b:02x}")
         if items > (end if inner_end < 0 else inner_end) - pos:  # each item takes a byte at least
