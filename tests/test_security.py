@@ -747,6 +747,48 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
         end_process(proc)
 
 
+class PosingLeader:
+    """A leader's two sockets, held by the test, and a follower (node rank 1, one
+    EchoWorker) that joins them: what a leader, or one posing as it without keys,
+    may send a follower."""
+
+    def __init__(self) -> None:
+        port = free_port_pair()
+        self.ctx = zmq.Context()
+        self.xpub, self.pull = self.ctx.socket(zmq.XPUB), self.ctx.socket(zmq.PULL)
+        self.xpub.bind(f"tcp://127.0.0.1:{port}")
+        self.pull.bind(f"tcp://127.0.0.1:{port + 1}")
+        self.reply_address = f"tcp://127.0.0.1:{port + 1}"
+        self.proc = follower(port, "--node-rank", "1")
+
+    def welcome(self) -> None:
+        """Take the follower's join and welcome it on its node topic."""
+        from zbus.cluster import node_topic
+
+        assert self.pull.poll(30_000), "no join"
+        self.node_id = codec.decode(self.pull.recv_multipart())[1]
+        self.topic = node_topic(self.node_id)
+        wait_until(lambda: self.xpub.poll(100) and self.xpub.recv() == b"\x01" + self.topic, 30,
+                   "the node topic subscribed")
+        welcome = good_welcome(nproc_per_node=1, master_addr="127.0.0.1", env={},
+                               reply_address=self.reply_address,
+                               spec={"worker": "workers:EchoWorker", "kwargs": {}})
+        self.xpub.send_multipart([self.topic, *codec.encode(["welcome", welcome])])
+
+    def receive(self, timeout_ms: int) -> list | None:
+        return codec.decode(self.pull.recv_multipart()) if self.pull.poll(timeout_ms) else None
+
+    def bye(self) -> str:
+        """Say bye; the follower's log once it exited 0."""
+        self.xpub.send_multipart([self.topic, *codec.encode(["bye"])])
+        assert self.proc.wait(30) == 0, self.proc.stderr.read()[-2000:]
+        return self.proc.stderr.read()
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+        end_process(self.proc)
+
+
 def test_a_serving_follower_ignores_messages_of_the_wrong_shape():
     """A leader (or one posing as it, without keys) welcomes a follower, then sends
     a call with nothing in it and control messages that are no list (an array's
@@ -754,45 +796,51 @@ def test_a_serving_follower_ignores_messages_of_the_wrong_shape():
     cleanly at ``bye``. Sabotage: relay the empty call (IndexError), or let
     ``NodeAgent._decode`` pass what is no list (ValueError): the agent leaves the
     cluster ("the node agent failed", its traceback logged) and exits 1."""
-    from zbus.cluster import node_topic
-
-    port = free_port_pair()
-    ctx = zmq.Context()
-    xpub, pull = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
-    xpub.bind(f"tcp://127.0.0.1:{port}")
-    pull.bind(f"tcp://127.0.0.1:{port + 1}")
-    proc = follower(port, "--node-rank", "1")
+    leading = PosingLeader()
     try:
-        assert pull.poll(30_000), "no join"
-        join = codec.decode(pull.recv_multipart())
-        topic = node_topic(join[1])
-        wait_until(lambda: xpub.poll(100) and xpub.recv() == b"\x01" + topic, 30, "the node topic subscribed")
-        welcome = good_welcome(nproc_per_node=1, master_addr="127.0.0.1", env={},
-                               reply_address=f"tcp://127.0.0.1:{port + 1}",
-                               spec={"worker": "workers:EchoWorker", "kwargs": {}})
-        xpub.send_multipart([topic, *codec.encode(["welcome", welcome])])
-        array = codec.encode(np.array([1, 2]))
+        leading.welcome()
+        topic, array = leading.topic, codec.encode(np.array([1, 2]))
         for bad in ([b"R"], [b"R*"], [topic + b"R"], [b"H", *array], [topic, *array], [b"RP", *array],
                     [b"HP", *codec.encode({"probe": 1})]):
-            xpub.send_multipart(bad)
+            leading.xpub.send_multipart(bad)
 
         def heartbeat() -> bool:  # the follower's, read after the bad messages; ours keep it alive
-            xpub.send_multipart([b"H", *codec.encode(["hb", 0])])
-            while pull.poll(200):
-                msg = codec.decode(pull.recv_multipart())
+            leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0])])
+            while (msg := leading.receive(200)) is not None:
                 if msg[:2] == ["hb", 1]:
                     return True
-            return proc.poll() is not None
+            return leading.proc.poll() is not None
         for _ in range(3):  # (one sent before the bad messages were read would prove nothing)
             wait_until(heartbeat, 30, "a heartbeat of the follower")
-        assert proc.poll() is None, proc.stderr.read()[-2000:]
-        xpub.send_multipart([topic, *codec.encode(["bye"])])
-        assert proc.wait(30) == 0, proc.stderr.read()[-2000:]
-        err = proc.stderr.read()
+        assert leading.proc.poll() is None, leading.proc.stderr.read()[-2000:]
+        err = leading.bye()
         assert "Traceback" not in err and err.count("dropped a") == 7, err[-3000:]
     finally:
-        ctx.destroy(linger=0)
-        end_process(proc)
+        leading.close()
+
+
+def test_a_follower_answers_the_probes_until_its_answer_arrives():
+    """The leader probes a welcomed node on the call and heartbeat topics until the
+    node's ``subscribed`` arrives, and drops it after the liveness limit. The
+    follower answered the first pair of probes only: an answer lost (a reset
+    connection, a full control backlog) lost the node. It now answers every pair.
+    Sabotage: ``self._probes_seen = None`` after the answer in
+    ``NodeAgent._on_probe`` -> one answer in 10 s."""
+    from zbus.cluster import PROBE_TOPICS
+
+    leading = PosingLeader()
+    try:
+        leading.welcome()
+        answers, deadline = 0, time.monotonic() + 10
+        while answers < 2 and time.monotonic() < deadline:  # the first answer is "lost"
+            for topic in PROBE_TOPICS:
+                leading.xpub.send_multipart([topic, *codec.encode(["probe", leading.node_id])])
+            while (msg := leading.receive(50)) is not None:
+                answers += msg == ["subscribed", leading.node_id]
+        assert answers >= 2
+        leading.bye()
+    finally:
+        leading.close()
 
 
 def test_a_follower_ignores_answers_to_its_join_of_the_wrong_shape():

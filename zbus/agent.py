@@ -165,7 +165,7 @@ class NodeAgent:
         self._last_seq = 0  # calls start at 1, once every node joined
         self._ring_unnamed = False
         self._gap: dict | None = None  # calls lost in a reset connection, being sent again
-        self._probes_seen: set[bytes] | None = set()
+        self._probes_seen: set[bytes] = set()
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
         self._next_hb = 0.0
@@ -403,12 +403,13 @@ class NodeAgent:
         return dict(poller.poll(int(max(0.0, wake - time.monotonic()) * 1000) + 1))
 
     def _on_probe(self, topic: bytes, msg: Any) -> None:
-        """Answer ``subscribed`` once probes for this node came on both topics."""
-        if msg == ["probe", self.node_id] and self._probes_seen is not None:
+        """Answer ``subscribed`` each time probes for this node came on both topics:
+        the leader probes until an answer arrives (one may be lost)."""
+        if msg == ["probe", self.node_id]:
             self._probes_seen.add(topic)
             if len(self._probes_seen) == len(PROBE_TOPICS):
                 self._send_to_leader(["subscribed", self.node_id], timeout=1.0)
-                self._probes_seen = None
+                self._probes_seen = set()
 
     def _read(self) -> list:
         frames = [f.buffer for f in self.sub.recv_multipart(copy=False)]
