@@ -752,16 +752,16 @@ class PosingLeader:
     EchoWorker) that joins them: what a leader, or one posing as it without keys,
     may send a follower."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict | None = None) -> None:
         port = free_port_pair()
         self.ctx = zmq.Context()
         self.xpub, self.pull = self.ctx.socket(zmq.XPUB), self.ctx.socket(zmq.PULL)
         self.xpub.bind(f"tcp://127.0.0.1:{port}")
         self.pull.bind(f"tcp://127.0.0.1:{port + 1}")
         self.reply_address = f"tcp://127.0.0.1:{port + 1}"
-        self.proc = follower(port, "--node-rank", "1")
+        self.proc = follower(port, "--node-rank", "1", env=env)
 
-    def welcome(self) -> None:
+    def welcome(self, **changes) -> None:
         """Take the follower's join and welcome it on its node topic."""
         from zbus.cluster import node_topic
 
@@ -772,8 +772,15 @@ class PosingLeader:
                    "the node topic subscribed")
         welcome = good_welcome(nproc_per_node=1, master_addr="127.0.0.1", env={},
                                reply_address=self.reply_address,
-                               spec={"worker": "workers:EchoWorker", "kwargs": {}})
+                               spec={"worker": "workers:EchoWorker", "kwargs": {}}, **changes)
         self.xpub.send_multipart([self.topic, *codec.encode(["welcome", welcome])])
+
+    def call(self, seq: int, method: str, *args, again: bool = False) -> None:
+        """Send call ``seq`` to every rank; ``again``: on the node's topic, as a call
+        sent again after a gap."""
+        payload = codec.encode((args, {}))
+        self.xpub.send_multipart([self.topic + b"R" if again else b"R",
+                                  protocol.call_envelope(seq, method, -1, len(payload)), *payload])
 
     def receive(self, timeout_ms: int) -> list | None:
         return codec.decode(self.pull.recv_multipart()) if self.pull.poll(timeout_ms) else None
@@ -838,6 +845,44 @@ def test_a_follower_answers_the_probes_until_its_answer_arrives():
             while (msg := leading.receive(50)) is not None:
                 answers += msg == ["subscribed", leading.node_id]
         assert answers >= 2
+        leading.bye()
+    finally:
+        leading.close()
+
+
+def test_a_follower_writing_lost_calls_to_slow_workers_waits_for_them():
+    """Call 6 is lost (a reset connection): call 7 shows the gap, the follower asks
+    for 6 once, and the leader sends it again; writing 6 and then 7 waits for
+    workers that take 1.5 s a call, longer than the 1 s liveness limit. The
+    follower asked again every 0.5 s for calls it held, and gave up the gap's
+    limit after it started though the calls were in hand ("never arrived":
+    it left the cluster). It now asks only while a call is missing, and counts
+    down only then. Sabotage: no check for a call in hand in
+    ``NodeAgent._ask_again`` -> it asks for call 7 while it writes it (before the
+    fix: ``leaving``, after two ``gap`` requests)."""
+    leading = PosingLeader(env={"ZBUS_RING": "64Kx4"})
+    try:
+        leading.welcome(liveness_s=1.0)
+        for seq in range(1, 6):  # the worker's queue: longer than the liveness limit
+            leading.call(seq, "sleep", 1.5)
+        leading.call(7, "noop")
+        replies, gaps, leaving, next_hb, deadline = set(), 0, [], 0.0, time.monotonic() + 30
+        while len(replies) < 7 and not leaving and time.monotonic() < deadline:
+            if time.monotonic() >= next_hb:  # ours, so that the follower keeps its leader
+                leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0])])
+                next_hb = time.monotonic() + 0.2
+            if (msg := leading.receive(50)) is None:
+                continue
+            if msg[0] == "gap":
+                gaps += 1
+                assert msg[2:] == [6, 7], msg
+                if gaps == 1:
+                    leading.call(6, "noop", again=True)
+            leaving += [msg] if msg[0] == "leaving" else []
+            if msg[0] == 1 and msg[1] != protocol.READY:  # (rank 1's replies)
+                replies.add(msg[1])
+        assert not leaving and replies == set(range(1, 8)) and gaps == 1, (leaving, replies, gaps,
+                                                                          leading.proc.poll())
         leading.bye()
     finally:
         leading.close()

@@ -163,6 +163,7 @@ class NodeAgent:
         self._backlog: collections.deque = collections.deque()
         self._backlog_bytes = 0
         self._last_seq = 0  # calls start at 1, once every node joined
+        self._writing: int | None = None  # the call being written into the ring
         self._ring_unnamed = False
         self._gap: dict | None = None  # calls lost in a reset connection, being sent again
         self._probes_seen: set[bytes] = set()
@@ -455,14 +456,19 @@ class NodeAgent:
         self._ask_again()
 
     def _ask_again(self) -> None:
-        """(Again, every 0.5 s: the request or the answer may be lost too.)"""
-        gap = self._gap
-        if time.monotonic() > gap["until"]:
-            raise ZbusError(f"calls {self._last_seq + 1}..{gap['upto'] - 1} never arrived (a reset "
+        """(Again, every 0.5 s: the request or the answer may be lost too.) Only
+        while the next call is missing: one in hand may wait for slow workers."""
+        gap, now = self._gap, time.monotonic()
+        first = max(self._last_seq, self._writing or 0) + 1  # the first call not in hand
+        if first >= gap["upto"] or (gap["held"] and gap["held"][0][0] == first):
+            gap["until"], gap["ask"] = now + self.liveness_s, now  # nothing is missing now
+            return
+        if now > gap["until"]:
+            raise ZbusError(f"calls {first}..{gap['upto'] - 1} never arrived (a reset "
                             "connection?): leaving the cluster")
-        if time.monotonic() >= gap["ask"]:
-            self._send_to_leader(["gap", self.node_rank, self._last_seq + 1, gap["upto"]], timeout=0.1)
-            gap["ask"] = time.monotonic() + 0.5
+        if now >= gap["ask"]:
+            self._send_to_leader(["gap", self.node_rank, first, gap["upto"]], timeout=0.1)
+            gap["ask"] = now + 0.5
 
     def _take(self) -> list:
         if not self._backlog:
@@ -518,9 +524,7 @@ class NodeAgent:
                 raise ZbusError("too many calls held while lost ones are sent again: leaving the cluster")
             self._gap["held"].append((seq, frames))
             return
-        self._write(frames)
-        if seq is not None:
-            self._last_seq = seq
+        self._write(frames, seq)
         self._release_held()
 
     def _release_held(self) -> None:
@@ -528,17 +532,23 @@ class NodeAgent:
         while gap is not None and gap["held"] and gap["held"][0][0] <= self._last_seq + 1:
             seq, frames = gap["held"].popleft()
             if seq == self._last_seq + 1:
-                self._write(frames)
-                self._last_seq = seq
+                self._write(frames, seq)
         if gap is not None and not gap["held"] and self._last_seq >= gap["upto"] - 1:
             log.warning("the lost calls arrived again: going on")
             self._gap = None
 
-    def _write(self, frames: list) -> None:
+    def _write(self, frames: list, seq: int | None) -> None:
+        """Write call ``seq`` into the ring, waiting for room; then it is the last
+        relayed."""
+        self._writing = seq
         try:
             self.ring.send(frames, on_full=self._on_ring_full)
         except (RingClosed, Cancelled) as e:
             raise ZbusError(f"relay failed: {e}") from e
+        finally:
+            self._writing = None
+        if seq is not None:
+            self._last_seq = seq
 
     def _on_ring_full(self) -> None:
         if self._deaths:  # a dead reader never frees the ring: report it and give up
