@@ -850,39 +850,45 @@ def test_a_follower_answers_the_probes_until_its_answer_arrives():
         leading.close()
 
 
-def test_a_follower_writing_lost_calls_to_slow_workers_waits_for_them():
-    """Call 6 is lost (a reset connection): call 7 shows the gap, the follower asks
-    for 6 once, and the leader sends it again; writing 6 and then 7 waits for
-    workers that take 1.5 s a call, longer than the 1 s liveness limit. The
-    follower asked again every 0.5 s for calls it held, and gave up the gap's
-    limit after it started though the calls were in hand ("never arrived":
-    it left the cluster). It now asks only while a call is missing, and counts
-    down only then. Sabotage: no check for a call in hand in
-    ``NodeAgent._ask_again`` -> it asks for call 7 while it writes it (before the
-    fix: ``leaving``, after two ``gap`` requests)."""
+@pytest.mark.parametrize("lost", [[6], [6, 8]], ids=["one_lost", "two_lost"])
+def test_a_follower_writing_lost_calls_to_slow_workers_waits_for_them(lost):
+    """Call 6 is lost (a reset connection), and with it 8: the next call shows the
+    gap, the follower asks for each lost call once, and the leader sends it again;
+    writing them and the held ones waits for workers that take 1.5 s a call,
+    longer than the 1 s liveness limit. The follower asked again every 0.5 s for
+    calls it held, and gave up the gap's limit after it started though the calls
+    were in hand ("never arrived": it left the cluster). It now asks, and counts
+    down, only while the next call is missing and no write waits for the workers
+    (what it reads ahead meanwhile may hold it). Sabotage: no ``_writing`` check
+    in ``NodeAgent._ask_again`` -> ``leaving`` (the call sent again was read
+    ahead while another was written); the gap's first ``upto`` in place of the next call held -> 8
+    is never asked for (two_lost); the code before the fix: ``leaving`` after two
+    ``gap`` requests."""
     leading = PosingLeader(env={"ZBUS_RING": "64Kx4"})
+    last = lost[-1] + 1
     try:
         leading.welcome(liveness_s=1.0)
         for seq in range(1, 6):  # the worker's queue: longer than the liveness limit
             leading.call(seq, "sleep", 1.5)
-        leading.call(7, "noop")
-        replies, gaps, leaving, next_hb, deadline = set(), 0, [], 0.0, time.monotonic() + 30
-        while len(replies) < 7 and not leaving and time.monotonic() < deadline:
+        for seq in range(7, last + 1):
+            if seq not in lost:
+                leading.call(seq, "noop")
+        replies, asked, leaving, next_hb, deadline = set(), [], [], 0.0, time.monotonic() + 30
+        while len(replies) < last and not leaving and time.monotonic() < deadline:
             if time.monotonic() >= next_hb:  # ours, so that the follower keeps its leader
                 leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0])])
                 next_hb = time.monotonic() + 0.2
             if (msg := leading.receive(50)) is None:
                 continue
             if msg[0] == "gap":
-                gaps += 1
-                assert msg[2:] == [6, 7], msg
-                if gaps == 1:
-                    leading.call(6, "noop", again=True)
+                asked.append(msg[2:])
+                if msg[2] in lost:
+                    leading.call(msg[2], "noop", again=True)
             leaving += [msg] if msg[0] == "leaving" else []
             if msg[0] == 1 and msg[1] != protocol.READY:  # (rank 1's replies)
                 replies.add(msg[1])
-        assert not leaving and replies == set(range(1, 8)) and gaps == 1, (leaving, replies, gaps,
-                                                                          leading.proc.poll())
+        assert not leaving and replies == set(range(1, last + 1)), (leaving, replies, leading.proc.poll())
+        assert asked == [[n, n + 1] for n in lost], asked
         leading.bye()
     finally:
         leading.close()

@@ -457,17 +457,21 @@ class NodeAgent:
 
     def _ask_again(self) -> None:
         """(Again, every 0.5 s: the request or the answer may be lost too.) Only
-        while the next call is missing: one in hand may wait for slow workers."""
+        while the next call is missing and no write waits: slow workers are no
+        sign of lost calls."""
         gap, now = self._gap, time.monotonic()
-        first = max(self._last_seq, self._writing or 0) + 1  # the first call not in hand
-        if first >= gap["upto"] or (gap["held"] and gap["held"][0][0] == first):
-            gap["until"], gap["ask"] = now + self.liveness_s, now  # nothing is missing now
+        first = self._last_seq + 1
+        upto = gap["held"][0][0] if gap["held"] else gap["upto"]  # the next one in hand, or known sent
+        if self._writing is not None or first >= upto:
+            # Nothing is missing, or a write waits for the workers: what it reads
+            # ahead meanwhile may hold the missing calls (they are asked for after it).
+            gap["until"], gap["ask"] = now + self.liveness_s, now
             return
         if now > gap["until"]:
-            raise ZbusError(f"calls {first}..{gap['upto'] - 1} never arrived (a reset "
+            raise ZbusError(f"calls {first}..{upto - 1} never arrived (a reset "
                             "connection?): leaving the cluster")
         if now >= gap["ask"]:
-            self._send_to_leader(["gap", self.node_rank, first, gap["upto"]], timeout=0.1)
+            self._send_to_leader(["gap", self.node_rank, first, upto], timeout=0.1)
             gap["ask"] = now + 0.5
 
     def _take(self) -> list:
