@@ -434,16 +434,19 @@ def test_odd_dtypes_are_refused_both_ways(dtype):
         encode(t)
 
 
-def test_bool_tensor_bytes_must_be_0_or_1():
-    """Any other byte is not a bool that torch can hold. Fails if a bool tensor's
-    bytes are not checked."""
-    ok = decode([header(ext(TENSOR, ["bool", [3], [1], 0])), b"\x00\x01\x01"])
-    assert ok.tolist() == [False, True, True]
-    for bad in (b"\x00\x02\x01", b"\xff\x00\x00"):
-        for frame in (bad, bytearray(bad)):
-            with pytest.raises(zbus.CodecError) as e:
-                decode([header(ext(TENSOR, ["bool", [3], [1], 0])), frame])
-            assert str(e.value) == "bool tensor data other than 0 and 1"
+def test_bool_tensor_and_array_bytes_must_be_0_or_1():
+    """Any other byte is not a bool that torch or numpy can hold (numpy kept a 2,
+    which ``torch.from_numpy`` then made a bool tensor holding 2). Fails if a bool
+    tensor's or array's bytes are not checked."""
+    for body, what in ((["bool", [3], [1], 0], "tensor"), (["|b1", [3], 0], "ndarray")):
+        code = TENSOR if what == "tensor" else NDARRAY
+        ok = decode([header(ext(code, body)), b"\x00\x01\x01"])
+        assert ok.tolist() == [False, True, True]
+        for bad in (b"\x00\x02\x01", b"\xff\x00\x00"):
+            for frame in (bad, bytearray(bad)):
+                with pytest.raises(zbus.CodecError) as e:
+                    decode([header(ext(code, body)), frame])
+                assert str(e.value) == f"bool {what} data other than 0 and 1"
 
 
 def test_small_tensor_arguments_keep_every_dtype_and_0_d():

@@ -423,6 +423,8 @@ class _Decoder:
         data = self.private(self.frame(body[2]))
         if len(data) != _numel(shape) * dtype.itemsize:
             raise CodecError("ndarray data does not match its shape and dtype")
+        if dtype.kind == "b" and len(data) and int(np.frombuffer(data, np.uint8).max()) > 1:
+            raise CodecError("bool ndarray data other than 0 and 1")  # (as for tensors)
         return np.frombuffer(data, dtype).reshape(shape)
 
     def _dataclass(self, body: Any) -> Any:
