@@ -761,8 +761,8 @@ class PosingLeader:
         self.reply_address = f"tcp://127.0.0.1:{port + 1}"
         self.proc = follower(port, "--node-rank", "1", env=env)
 
-    def welcome(self, **changes) -> None:
-        """Take the follower's join and welcome it on its node topic."""
+    def join(self) -> None:
+        """Take the follower's join, and wait until its node topic is subscribed."""
         from zbus.cluster import node_topic
 
         assert self.pull.poll(30_000), "no join"
@@ -770,6 +770,10 @@ class PosingLeader:
         self.topic = node_topic(self.node_id)
         wait_until(lambda: self.xpub.poll(100) and self.xpub.recv() == b"\x01" + self.topic, 30,
                    "the node topic subscribed")
+
+    def welcome(self, **changes) -> None:
+        """Take the follower's join and welcome it on its node topic."""
+        self.join()
         welcome = good_welcome(nproc_per_node=1, master_addr="127.0.0.1", env={},
                                reply_address=self.reply_address,
                                spec={"worker": "workers:EchoWorker", "kwargs": {}}, **changes)
@@ -901,27 +905,17 @@ def test_a_follower_ignores_answers_to_its_join_of_the_wrong_shape():
     ``msg[0]``, ``msg[1]`` in ``NodeAgent._join`` without the shape check: the
     follower dies of an IndexError or KeyError; drop the plain-items check in
     ``NodeAgent._decode``: a ValueError (the array's ``==``)."""
-    from zbus.cluster import node_topic
-
-    port = free_port_pair()
-    ctx = zmq.Context()
-    xpub, pull = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
-    xpub.bind(f"tcp://127.0.0.1:{port}")
-    pull.bind(f"tcp://127.0.0.1:{port + 1}")
-    proc = follower(port, "--node-rank", "1")
+    leading = PosingLeader()
     try:
-        assert pull.poll(30_000), "no join"
-        join = codec.decode(pull.recv_multipart())
-        topic = node_topic(join[1])
-        wait_until(lambda: xpub.poll(100) and xpub.recv() == b"\x01" + topic, 30, "the node topic subscribed")
+        leading.join()
+        topic = leading.topic
         for bad in (["welcome"], {"welcome": 1}, [], ["reject"], "welcome", [5, 6], ["welcome", [1]],
                     [np.array([1, 2]), {}]):  # an array's == has no truth value
-            xpub.send_multipart([topic, *codec.encode(bad)])
-        xpub.send_multipart([topic, *codec.encode(["reject", "the test is over"])])
-        assert proc.wait(30) == 1
-        err = proc.stderr.read()
+            leading.xpub.send_multipart([topic, *codec.encode(bad)])
+        leading.xpub.send_multipart([topic, *codec.encode(["reject", "the test is over"])])
+        assert leading.proc.wait(30) == 1
+        err = leading.proc.stderr.read()
         crashes = ("IndexError", "KeyError", "ValueError")
         assert "the test is over" in err and not any(e in err for e in crashes), err[-2000:]
     finally:
-        ctx.destroy(linger=0)
-        end_process(proc)
+        leading.close()
