@@ -84,6 +84,25 @@ def test_nodes_runs_across_namespace_hosts():
     assert all(r.median_us > 0 for r in rows)
 
 
+def test_the_pyzmq_baseline_leaves_no_socket_file():
+    """Closing ZeroMQ's sockets left their ipc files in /tmp (two per bench run).
+    In a process of its own (multiprocessing's resource tracker outlives the
+    baseline). Sabotage: no unlinking in ``ZmqBaseline.close`` -> both files stay."""
+    code = ("import json, os\n"
+            "from zbus.baselines import ZmqBaseline\n"
+            "zb = ZmqBaseline(1)\n"
+            "zb.call()\n"
+            "files, made = zb._files, all(os.path.exists(f) for f in zb._files)\n"
+            "zb.close()\n"
+            "print(json.dumps([made, files]))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=TEST_PATH),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    made, files = json.loads(r.stdout.splitlines()[-1])
+    assert made and len(files) == 2
+    assert not [f for f in files if os.path.exists(f)]
+
+
 def test_paired_ratio_and_its_interval():
     """Block by block, so a slow stretch that hits both sides cancels. Sabotage: the
     ratio of the medians instead (0.37 here: the machine slowed 3x from the baseline's

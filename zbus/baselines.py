@@ -9,6 +9,7 @@ install just what its message queue needs, without a CUDA torch.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -103,10 +104,12 @@ class ZmqBaseline:
 
         self.ctx = zmq.Context()
         self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
+        self._files: list[str] = []  # the ipc sockets' files, which closing leaves
         if host is None:
-            base = f"ipc:///tmp/zbus-bench-{os.getpid()}-{id(self)}"
-            self.pub.bind(base + "-pub")
-            self.pull.bind(base + "-pull")
+            base = f"/tmp/zbus-bench-{os.getpid()}-{id(self)}"
+            self._files = [base + "-pub", base + "-pull"]
+            self.pub.bind("ipc://" + self._files[0])
+            self.pull.bind("ipc://" + self._files[1])
         else:
             self.pub.bind(f"tcp://{host}:*")
             self.pull.bind(f"tcp://{host}:*")
@@ -128,7 +131,10 @@ class ZmqBaseline:
         self.pub.send(b"stop")
         for p in self.procs:
             p.join(10)
-        self.ctx.destroy(linger=0)  # also removes the ipc socket files
+        self.ctx.destroy(linger=0)
+        for path in self._files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def relay(pub: str, local: str) -> None:
