@@ -1,11 +1,13 @@
-"""Session guards: the suite must leave no zbus shared-memory segment and no child
-process behind. Tests import worker classes from ``tests/workers.py``."""
+"""Session guards: the suite must leave no zbus shared-memory segment, no child
+process and no socket file behind. Tests import worker classes from ``tests/workers.py``."""
 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -108,6 +110,19 @@ def foreign_segments(names: set[str]) -> set[str]:
     return out
 
 
+def socket_files() -> set[str]:
+    """The socket files in the temp folder: ZeroMQ's ``ipc://`` endpoints, which
+    closing a socket does not always remove (vLLM binds its engine's there)."""
+    folder, out = tempfile.gettempdir(), set()
+    for name in os.listdir(folder):
+        try:
+            if stat.S_ISSOCK(os.lstat(os.path.join(folder, name)).st_mode):
+                out.add(name)
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
 def own_segments(names: set[str]) -> set[str]:
     """Those of ``names`` that this process created (``zbus-<pidns>-<pid>-...``)."""
     return {n for n in names if n.startswith("zbus-") and n.split("-")[2] == str(os.getpid())}
@@ -131,7 +146,7 @@ if MUTATION_RUN:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
-    before = zbus_segments()
+    before, sockets = zbus_segments(), socket_files()
     yield
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -140,7 +155,7 @@ def no_leftovers():
         if MUTATION_RUN:
             left = own_segments(left)
         if not children and not left:
-            return
+            break
         time.sleep(0.1)
     what = describe(children)
     for c in children:
@@ -150,6 +165,8 @@ def no_leftovers():
             pass
     assert not children, f"the tests left child processes: {what}"
     assert not left, f"the tests left shared-memory segments: {sorted(left)}"
+    files = socket_files() - sockets
+    assert not files, f"the tests left socket files in {tempfile.gettempdir()}: {sorted(files)[:10]}"
 
 
 def wait_until(condition, timeout: float, what: str, interval: float = 0.01):

@@ -38,6 +38,20 @@ ZBUS = "zbus.vllm.ZbusExecutor"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "PYTHONPATH": TEST_PATH}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def rpc_folder():
+    """vLLM binds its engine's ZeroMQ sockets as files in ``VLLM_RPC_BASE_PATH``
+    (the temp folder by default) and leaves them there, a few per engine: here
+    they go to a folder of the module's, removed after it (the session guard
+    counts socket files in the temp folder)."""
+    folder = tempfile.mkdtemp(prefix="zbus-vllm-rpc-")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(VLLM_ENV, "VLLM_RPC_BASE_PATH", folder)
+        mp.setenv("VLLM_RPC_BASE_PATH", folder)
+        yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 class Engine:
     """The driver in a process of its own; its JSON events, read with a deadline."""
 

@@ -526,16 +526,21 @@ def bench_vllm(seconds: float) -> list[Row]:
     on this node, then over two namespace hosts against vLLM's multi-node mp."""
     from . import netns
 
-    rows = _parse_rows(subprocess.run([sys.executable, "-m", "zbus.vllm.bench", "one", "--seconds",
-                                       str(seconds)], capture_output=True, text=True, timeout=1800))
-    why = netns.unavailable()
-    if why:
-        print(f"vllm: no two-host run: {why}", file=sys.stderr)
-        return rows
-    return rows + bench_vllm_hosts(seconds)
+    # vLLM binds its engines' ZeroMQ sockets as files in VLLM_RPC_BASE_PATH (the
+    # temp folder by default) and leaves them there: a folder of this run's instead.
+    with tempfile.TemporaryDirectory(prefix="zbus-vllm-rpc-") as rpc:
+        rpc_env = {"VLLM_RPC_BASE_PATH": rpc}
+        rows = _parse_rows(subprocess.run([sys.executable, "-m", "zbus.vllm.bench", "one", "--seconds",
+                                           str(seconds)], capture_output=True, text=True, timeout=1800,
+                                          env=dict(os.environ, **rpc_env)))
+        why = netns.unavailable()
+        if why:
+            print(f"vllm: no two-host run: {why}", file=sys.stderr)
+            return rows
+        return rows + bench_vllm_hosts(seconds, rpc_env)
 
 
-def bench_vllm_hosts(seconds: float) -> list[Row]:
+def bench_vllm_hosts(seconds: float, rpc_env: dict[str, str]) -> list[Row]:
     """TP=2 over two namespace hosts, one worker each: zbus (the other host runs
     ``zbus follower``) beside vLLM's multi-node mp (its headless follower)."""
     from . import netns
@@ -548,12 +553,14 @@ def bench_vllm_hosts(seconds: float) -> list[Row]:
         host.start([os.path.join(os.path.dirname(sys.executable), "zbus"), "follower", "--master-addr",
                     leader.address, "--nproc-per-node", "1", "--allow-import-calls"],
                    env={"VLLM_HOST_IP": host.address, **keys})
-        host.start(headless_follower(model, leader.address, VLLM_PORT), env={"VLLM_HOST_IP": host.address},
+        host.start(headless_follower(model, leader.address, VLLM_PORT),
+                   env={"VLLM_HOST_IP": host.address, **rpc_env},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         proc = leader.python("-m", "zbus.vllm.bench", "two", "--seconds", str(seconds), "--iface", "eth0",
                              "--master-addr", leader.address, "--port", str(VLLM_PORT),
                              env={"ZBUS_NNODES": "2", "ZBUS_MASTER_ADDR": leader.address,
-                                  "ZBUS_BENCH_MODEL": model, "VLLM_HOST_IP": leader.address, **keys},
+                                  "ZBUS_BENCH_MODEL": model, "VLLM_HOST_IP": leader.address, **keys,
+                                  **rpc_env},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         stdout, stderr = proc.communicate(timeout=1800)
         return _parse_rows(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
