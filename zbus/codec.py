@@ -51,6 +51,11 @@ BUDGET_FACTOR = 4  # a decode copies at most this many times the message size (+
 # arguments tuple 63x (73x: refused past 0.8 MiB).
 OBJECTS_MIN = 32 * 2**20
 OBJECTS_FACTOR = 32
+# Tuples and registered objects in one message that differ from the first one of
+# their hash. A dict compares a new key with every key of its hash, and a sender
+# can choose a tuple's hash (CPython's can be undone from its items'; a frozen
+# dataclass hashes as the tuple of its fields): 8192 such keys took 0.57 s.
+MAX_HASH_COLLISIONS = 64
 
 _registry: dict[str, type] = {}
 _families: dict[str, TypeFamily] = {}
@@ -302,12 +307,14 @@ def encode(obj: Any) -> list[Any]:
 
 
 class _Decoder:
-    __slots__ = ("frames", "used", "budget")
+    __slots__ = ("frames", "used", "budget", "hashes", "collisions")
 
     def __init__(self, frames: Sequence[Any], budget: int) -> None:
         self.frames = frames
         self.used: set[int] = set()
         self.budget = budget
+        self.hashes: dict[int, Any] = {}  # the first tuple or object of each hash
+        self.collisions = 0
 
     def spend(self, nbytes: int) -> None:
         """Count bytes that decoding materialises (copies of frames and bodies)."""
@@ -347,7 +354,7 @@ class _Decoder:
             raise CodecError(f"extension type {code} right inside another")
         body = self.unpack(data)
         if code == _TUPLE and type(body) is list:
-            return tuple(body)
+            return self._count_hash(tuple(body))
         if code == _BYTES:
             return self._bytes(body)
         if code == _TENSOR:
@@ -355,12 +362,30 @@ class _Decoder:
         if code == _NDARRAY:
             return self._ndarray(body)
         if code == _DATACLASS:
-            return self._dataclass(body)
+            return self._count_hash(self._dataclass(body))
         if code == _OBJECT:
-            return self._object(body)
+            return self._count_hash(self._object(body))
         if code == _EXCEPTION and _shape(body, str, str, str):
             return ExceptionInfo(*body)
         raise CodecError(f"unknown or malformed extension type {code}")
+
+    def _count_hash(self, value: Any) -> Any:
+        """``value``, counted if it differs from the first value of its hash: past
+        MAX_HASH_COLLISIONS the message is refused, before msgpack makes dict keys
+        of them, each compared with all before it (n**2 / 2 comparisons)."""
+        hash_of = type(value).__hash__
+        if hash_of is None or hash_of is _IDENTITY_HASH:  # unhashable, or no two alike
+            return value
+        try:
+            first = self.hashes.setdefault(hash(value), value)
+        except Exception:  # noqa: BLE001 - a list, a writable memoryview inside: no key either
+            return value
+        if first is not value and first != value:
+            self.collisions += 1
+            if self.collisions > MAX_HASH_COLLISIONS:
+                raise CodecError(f"more than {MAX_HASH_COLLISIONS} tuples or objects that differ from "
+                                 "another of their hash (as map keys, each is compared with all before it)")
+        return value
 
     def _bytes(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 2 and body[0] in _BYTES_KINDS):
@@ -502,6 +527,7 @@ _LEVELS = bytes([*range(0x80, 0xa0), *_LIST, *_EXT_BYTES])  # type bytes that op
 _TIMESTAMPS = (b"\xd6\xff", b"\xd7\xff", *(bytes([0xc7, n, 0xff]) for n in (4, 8, 12)),
                *(bytes([0xc8, 0, n, 0xff]) for n in (4, 8, 12)),
                *(bytes([0xc9, 0, 0, 0, n, 0xff]) for n in (4, 8, 12)))
+_IDENTITY_HASH = object.__hash__
 _EXT_CODES = frozenset({_TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT})
 # What an extension builds beyond its list, where more than 64 bytes (measured,
 # 64-bit CPython, torch 2.13): a memoryview (its bytearray, buffer and view); a
