@@ -272,7 +272,11 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
     """Sabotage: no check of what a remote configuration names (worker class,
     extension, remote code; a KV offloading spec module, an EC connector module, a
     custom speculative proposer class, a compilation backend by qualified name,
-    each of which vLLM imports during ``init_device`` or ``load_model``)."""
+    each of which vLLM imports during ``init_device`` or ``load_model``). Before,
+    only the top level of a KV connector's extra configuration was read: a
+    ``MultiConnector``'s connectors (each imports its module) passed; now every
+    key ending in ``module_path``, at any depth (sabotage: ``module_paths``
+    reads the top level only)."""
     from types import SimpleNamespace as NS
 
     from zbus.errors import ZbusError
@@ -300,9 +304,23 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
         vars(c).update(parts)
         return c
 
+    def kv(**extra):
+        return NS(kv_connector_module_path=None, kv_connector_extra_config=extra)
+
     for parts, match in (
-            (dict(kv_transfer_config=NS(kv_connector_module_path=None, kv_connector_extra_config={
-                "spec_module_path": "evil"})), "offloading"),
+            (dict(kv_transfer_config=kv(spec_module_path="evil")), "spec_module_path"),
+            # MultiConnector imports each of its connectors' modules, at any depth
+            (dict(kv_transfer_config=kv(connectors=[{"kv_connector": "Evil",
+                                                      "kv_connector_module_path": "evil.conn"}])),
+             "kv_connector_module_path"),
+            (dict(kv_transfer_config=kv(connectors=[
+                {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+                    {"kv_connector": "OffloadingConnector",
+                     "kv_connector_extra_config": {"cache_policy_module_path": "evil"}}]}}])),
+             "cache_policy_module_path"),
+            (dict(ec_transfer_config=NS(ec_connector_module_path=None,
+                                        ec_connector_extra_config={"tiers": [{"module_path": "evil"}]})),
+             "EC connector's module"),
             (dict(ec_transfer_config=NS(ec_connector_module_path="evil")), "EC connector"),
             (dict(speculative_config=NS(method="custom_class", model="evil.Proposer")), "proposer"),
             (dict(compilation_config=NS(backend="evil.backend")), "compilation backend")):
@@ -310,6 +328,8 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
             check_remote_config(with_parts(**parts), set())
     check_remote_config(with_parts(compilation_config=NS(backend="inductor"),
                                    speculative_config=NS(method="ngram", model=None)), set())
+    check_remote_config(with_parts(kv_transfer_config=kv(connectors=[
+        {"kv_connector_module_path": "mine.conn"}, {"kv_connector": "LMCacheConnectorV1"}])), {"mine"})
 
 
 def test_a_followers_worker_refuses_calls_that_undo_its_checks(wire):

@@ -203,6 +203,22 @@ def allowed() -> set[str]:
     return {p.strip() for p in os.environ.get(ALLOW_ENV, "").split(",") if p.strip()}
 
 
+def module_paths(extra: Any) -> list[tuple[str, Any]]:
+    """Each ``(key, value)`` under a key that ends in ``module_path``, at any depth of
+    a connector's extra configuration: vLLM imports them (an offloading spec, a
+    cache policy, a tier), and ``MultiConnector`` builds a connector for each of
+    its ``connectors``, importing its ``kv_connector_module_path``."""
+    found, todo = [], [extra]
+    while todo:  # (the codec bounds the depth of what arrived)
+        item = todo.pop()
+        if isinstance(item, dict):
+            found += [(k, v) for k, v in item.items() if isinstance(k, str) and k.endswith("module_path")]
+            todo += item.values()
+        elif isinstance(item, (list, tuple)):
+            todo += item
+    return found
+
+
 def check_remote_config(config: Any, allow: set[str]) -> None:
     """Refuse a configuration from the leader that names code this node's
     operator did not allow (see docs/security.md)."""
@@ -221,10 +237,12 @@ def check_remote_config(config: Any, allow: set[str]) -> None:
     named("logits processors", getattr(mc, "logits_processors", None))
     kv = getattr(config, "kv_transfer_config", None)
     named("a KV connector module", getattr(kv, "kv_connector_module_path", None))
-    extra = getattr(kv, "kv_connector_extra_config", None)
-    named("a KV offloading spec module", extra.get("spec_module_path") if isinstance(extra, dict) else None)
+    for key, path in module_paths(getattr(kv, "kv_connector_extra_config", None)):
+        named(f"a KV connector's module ({key})", path)
     ec = getattr(config, "ec_transfer_config", None)
     named("an EC connector module", getattr(ec, "ec_connector_module_path", None))
+    for key, path in module_paths(getattr(ec, "ec_connector_extra_config", None)):
+        named(f"an EC connector's module ({key})", path)
     spec = getattr(config, "speculative_config", None)
     if getattr(spec, "method", None) == "custom_class":  # the model is a class vLLM imports
         named("a speculative proposer class", getattr(spec, "model", None) or "?")
