@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -273,6 +274,72 @@ def test_attach_refuses_a_detached_reader_slot_and_a_closed_ring():
     finally:
         writer.close()
         shm.unlink(writer.handle.name)
+
+
+@pytest.fixture(params=["compiled", "python"])
+def bell_core(request, monkeypatch):
+    """Each way a doorbell sleeps: the compiled core's recv, or Python's own."""
+    if request.param == "python":
+        monkeypatch.setattr(shm, "core", None)
+    elif shm.core is None:
+        pytest.skip("the compiled core is not built here (or ZBUS_PURE_PYTHON)")
+    return request.param
+
+
+@pytest.mark.parametrize("default", [3.0, 0.0])
+def test_a_doorbell_sleeps_its_own_timeout_whatever_the_default_socket_timeout(bell_core, default):
+    """``socket.setdefaulttimeout()``, which a driver's own code may set before it
+    starts zbus, gave the doorbell's socket that timeout: Python then polls for it
+    and ignores SO_RCVTIMEO (a reader's 0.1 s sleep took 3 s), and a default of 0
+    made it non-blocking (an idle reader spun: 0.96 s of CPU a second). Sabotage:
+    no ``settimeout`` in ``Doorbell.__init__`` -> compiled: 3 s, or no sleep."""
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(default)
+    try:
+        bell = shm.Doorbell(f"zbus-test-bell-{os.getpid()}-{time.monotonic_ns()}")
+    finally:
+        socket.setdefaulttimeout(old)
+    try:
+        for _ in range(2):
+            start, cpu = time.monotonic(), time.process_time()
+            bell.wait(0.2)
+            took, used = time.monotonic() - start, time.process_time() - cpu
+            assert 0.15 < took < 1.5 and used < 0.1, (took, used)
+    finally:
+        bell.close()
+
+
+def test_a_signal_does_not_lengthen_a_doorbell_sleep(bell_core):
+    """Python's recv retries after a signal whose handler returns, with the whole
+    SO_RCVTIMEO again: with a handler run every 0.05 s (a profiler's timer, say), a
+    sleep of 0.3 s never ended, nor the deadline of a caller waiting on a ring.
+    Sabotage: ``self.sock.recv(16)`` in place of ``core.bell_recv`` -> the sleep
+    lasts until the test's rescue ring (4 s)."""
+    bell = shm.Doorbell(f"zbus-test-bell-{os.getpid()}-{time.monotonic_ns()}")
+    ringer = shm.Ringer(bell.address)
+    rescue = threading.Timer(4.0, ringer.ring)
+    handled, done = [], threading.Event()
+    old = signal.signal(signal.SIGUSR1, lambda *_: handled.append(1))
+
+    def signals(main: int = threading.main_thread().ident) -> None:
+        while not done.wait(0.05):
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    sender = threading.Thread(target=signals)
+    rescue.start()
+    sender.start()
+    try:
+        start = time.monotonic()
+        bell.wait(0.3)
+        took = time.monotonic() - start
+    finally:
+        done.set()
+        sender.join(5)
+        rescue.cancel()
+        signal.signal(signal.SIGUSR1, old)
+        ringer.close()
+        bell.close()
+    assert handled and 0.25 < took < 1.5, (len(handled), took)
 
 
 def test_rings_left_at_other_doorbells_do_not_stop_a_wake_up():

@@ -14,7 +14,9 @@
 #include <link.h>
 #include <sched.h>
 #include <stdint.h>
+#include <errno.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -616,7 +618,40 @@ static PyObject *core_relay_one(PyObject *self, PyObject *const *args, Py_ssize_
     return result;
 }
 
+PyDoc_STRVAR(bell_recv_doc,
+             "bell_recv(fd)\n--\n\n"
+             "One recv(2) on the blocking datagram socket ``fd``, without the GIL, for as long as\n"
+             "its receive timeout (SO_RCVTIMEO): True if a ring came, False if the time ran out,\n"
+             "None if a signal came first (its Python handlers have run). Python's own recv\n"
+             "retries after a signal with the whole timeout again: a signal every 0.1 s made a\n"
+             "sleep of 0.3 s endless.");
+
+static PyObject *core_bell_recv(PyObject *self, PyObject *arg) {
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    char ring[16];
+    ssize_t n;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    n = recv((int)fd, ring, sizeof ring, 0);
+    err = errno;
+    Py_END_ALLOW_THREADS
+    if (n >= 0)
+        Py_RETURN_TRUE;
+    if (err == EAGAIN || err == EWOULDBLOCK)
+        Py_RETURN_FALSE;
+    if (err == EINTR) {
+        if (PyErr_CheckSignals() < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
 static PyMethodDef core_methods[] = {
+    {"bell_recv", core_bell_recv, METH_O, bell_recv_doc},
     {"fence", core_fence, METH_NOARGS, fence_doc},
     {"store", (PyCFunction)(void (*)(void))core_store, METH_FASTCALL, store_doc},
     {"write_message", (PyCFunction)(void (*)(void))core_write_message, METH_FASTCALL, write_message_doc},

@@ -77,17 +77,7 @@ _I_NREADERS, _I_NCHUNKS, _I_WWAIT, _I_STATE, _I_CLOSED = 2, 3, 32, 33, 34
 _READER_BASE = 192
 
 
-def _load_core() -> Any:
-    if os.environ.get("ZBUS_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from . import _core
-    except ImportError:
-        return None
-    return _core
-
-
-_core = _load_core()
+_core = shm.core
 CORE = "compiled" if _core is not None else "python"
 
 

@@ -19,12 +19,27 @@ import platform
 import socket
 import struct
 import threading
+import time
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 from .errors import ShmSpaceError
 
 log = logging.getLogger(__name__)
+
+
+def _load_core() -> Any:
+    """The compiled core (``zbus._core``), or None: not built, or ``ZBUS_PURE_PYTHON``."""
+    if os.environ.get("ZBUS_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from . import _core
+    except ImportError:
+        return None
+    return _core
+
+
+core = _load_core()
 
 SHM_DIR = "/dev/shm"
 PREFIX = "zbus-"
@@ -411,20 +426,38 @@ class Doorbell:
             self.sock.close()
             raise OSError(e.errno, f"doorbell {name} is taken: is {role} of this ring "
                                    "attached twice?") from e
+        # Blocking whatever socket.setdefaulttimeout() says (with a default, Python
+        # polls for that long instead and ignores SO_RCVTIMEO; with 0, never sleeps).
+        self.sock.settimeout(None)
         self._timeout_us = 0
+        self._timeout_s: float | None = None
 
     def wait(self, timeout: float) -> None:
-        """Sleep until rung or ``timeout`` s; consumes one ring. A blocking recv with
-        SO_RCVTIMEO: one syscall, no poll."""
-        usec = max(1, int(timeout * 1e6))
-        if usec != self._timeout_us:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                 struct.pack("ll", usec // 1_000_000, usec % 1_000_000))
-            self._timeout_us = usec
-        try:
-            self.sock.recv(16)
-        except (BlockingIOError, TimeoutError):
-            pass
+        """Sleep until rung or ``timeout`` s; consumes one ring. A signal does not
+        lengthen the sleep: its handlers run, and the sleep goes on for what is left.
+        Compiled core: one recv with SO_RCVTIMEO, no poll; else Python's socket
+        timeout (a poll, then the recv)."""
+        if core is None:
+            if timeout != self._timeout_s:
+                self.sock.settimeout(max(1e-6, timeout))
+                self._timeout_s = timeout
+            try:
+                self.sock.recv(16)
+            except (BlockingIOError, TimeoutError):
+                pass
+            return
+        end = time.monotonic() + timeout
+        while True:
+            usec = max(1, int(timeout * 1e6))
+            if usec != self._timeout_us:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                     struct.pack("ll", usec // 1_000_000, usec % 1_000_000))
+                self._timeout_us = usec
+            if core.bell_recv(self.sock.fileno()) is not None:
+                return
+            timeout = end - time.monotonic()  # a signal came
+            if timeout <= 0:
+                return
 
     def close(self) -> None:
         self.sock.close()
