@@ -772,6 +772,74 @@ def test_status_requests_from_a_peer_that_reads_no_answer_do_not_hold_up_heartbe
         ctx.term()
 
 
+def test_joins_after_formation_from_a_peer_that_reads_no_answer_do_not_hold_up_heartbeats():
+    """A peer subscribes to every node topic (``N``), reads nothing, and floods the
+    formed leader with joins: each is refused with a ``reject`` on its node topic
+    that is dropped at once if it finds no room, so the I/O thread goes on
+    heartbeating the nodes: 60 000 refused within 30 s, heartbeats on meanwhile.
+    Node ids are 1 to 32 characters; a longer one is a malformed join. Sabotage:
+    reject with ``wait=True`` in ``Membership._on_join`` -> once the peer's queues
+    are full (about 37 000 refusals), each refusal waits for room: 40 000 refused
+    in 30 s."""
+    lead, port = bare_leader(nnodes=2)
+    ctx = zmq.Context()
+    hog, healthy, push = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    try:
+        hog.setsockopt(zmq.RCVHWM, 1)
+        hog.setsockopt(zmq.RCVBUF, 4096)
+        hog.setsockopt(zmq.SUBSCRIBE, b"N")
+        healthy.setsockopt(zmq.SUBSCRIBE, TOPIC_HEARTBEAT)
+        for sub in (hog, healthy):
+            sub.connect(f"tcp://127.0.0.1:{port}")
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        lead.membership.formed = True
+        lead.start()
+        wait_until(lambda: heartbeats_heard(healthy, 0.3) > 0, 20, "a first heartbeat")
+        push.send_multipart(codec.encode(["join", "x" * 33, {}]))
+        wait_until(lambda: lead.dropped_by.get("bad-join") == 1, 10, "the long node id dropped")
+        stop, sent = threading.Event(), [0]
+
+        def flood() -> None:  # on, while the heartbeats are counted
+            while not stop.wait(0.01):
+                for _ in range(500):  # paced: the leader's control backlog would drop a burst
+                    try:
+                        push.send_multipart(codec.encode(["join", f"{sent[0]:032x}", {}]), zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    sent[0] += 1
+
+        flooding = threading.Thread(target=flood)
+        flooding.start()
+        try:
+            end = time.monotonic() + 30
+            while lead.dropped_by.get("late-join", 0) < JOIN_FLOOD and time.monotonic() < end:
+                time.sleep(0.1)
+            refused = lead.dropped_by.get("late-join", 0)
+            heard = heartbeats_heard(healthy, 3.0)
+        finally:
+            stop.set()
+            flooding.join(10)
+        print(f"heartbeats heard in 3 s after {refused} of {sent[0]} joins refused to a peer that reads "
+              f"none: {heard}")
+        assert heard >= 8 and refused >= JOIN_FLOOD  # one heartbeat per 0.2 s
+    finally:
+        lead.close()
+        for sock in (hog, healthy, push):
+            sock.close(linger=0)
+        ctx.term()
+
+
+JOIN_FLOOD = 60_000  # refusals: more than the peer's queues and the kernel's buffers take
+
+
+def heartbeats_heard(sub: zmq.Socket, seconds: float) -> int:
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        if sub.poll(50, zmq.POLLIN):
+            n += codec.decode(sub.recv_multipart()[1:])[0] == "hb"
+    return n
+
+
 def test_a_sustained_burst_of_small_calls_keeps_the_slowest_node_alive():
     """Non-blocking calls non-stop for 3 x the 2 s liveness limit; node 1's worker is
     the slowest consumer (5 ms a call), and its agent never sleeps on the full ring

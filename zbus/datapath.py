@@ -551,8 +551,9 @@ class DataPath:
         truncated, too deep, a frame used twice, data that does not match its
         declared shape), ``shape`` (not a non-empty list), ``unknown-rank`` (a reply
         for no remote rank), ``unknown-kind``, ``bad-join``, ``join-flood``,
-        ``stray-refused``, ``bad-status``, ``not-owner`` (a key speaking for another
-        node), ``handler`` / ``io-loop`` (a message that broke its handler),
+        ``late-join`` (a join once the cluster formed: refused), ``stray-refused``,
+        ``bad-status``, ``not-owner`` (a key speaking for another node),
+        ``handler`` / ``io-loop`` (a message that broke its handler),
         ``backlog`` (too many control messages waiting), ``unreadable``."""
         return self.metrics.drops()
 

@@ -140,16 +140,18 @@ class Membership:
         self._welcome_ready()
 
     def _on_join(self, node_id: Any, info: Any) -> None:
-        if type(node_id) is not str or not isinstance(info, dict):
+        # (a node id is 16 hex digits: a node topic longer than 33 bytes is never subscribed)
+        if type(node_id) is not str or not 0 < len(node_id) <= 32 or not isinstance(info, dict):
             self.path.drop("a malformed join request", "bad-join")
             return
         if node_id in self._probing or any(n.node_id == node_id for n in self.nodes.values()):
             return  # a repeated join of a node already welcomed
         log.debug("join from %s (%s)", info.get("host"), node_id)
         if self.formed:
-            log.error("refused a join from %s: the cluster is formed", info.get("host", "?"))
+            self.path.drop(f"a join from {brief(info.get('host', '?'))}: the cluster is formed", "late-join")
+            # never waits for room: a joiner that reads nothing would hold this thread up
             self.path.send_control(node_topic(node_id), ["reject", "the cluster is already formed"],
-                                   timeout=1.0)
+                                   timeout=1.0, wait=False)
             return
         if len(self._joins) >= MAX_PENDING_JOINS and node_id not in self._joins:
             # A flood of joins from nodes that never subscribe: forget the oldest. A real
