@@ -526,14 +526,14 @@ def generate(backend: str, *args: str, tmp_path, **kwargs) -> dict:
     with open(tmp_path / f"{backend.replace('.', '_')}.log", "w") as log:
         engine = Engine(backend, *args, log=log, **kwargs)
         try:
-            engine.event("ready")
+            ready = engine.event("ready")
             everyone = engine.descendants()
             out = engine.event("tokens")
             assert out["event"] == "tokens", out
             assert engine.event("done")["event"] == "done"
             assert engine.proc.wait(60) == 0
             assert psutil.wait_procs(everyone, timeout=20)[1] == [], engine._tail()
-            return out
+            return {**out, "block_size": ready["block_size"]}
         finally:
             engine.close()
 
@@ -617,6 +617,19 @@ def test_an_engine_killed_leaves_no_segment(tmp_path, killed):
             assert shm_used() - used < 2**20
         finally:
             engine.close()
+
+
+def test_a_hybrid_model_gets_the_kv_block_size_of_vllms_own_executor(tmp_path):
+    """A hybrid model (attention and linear-attention layers, Qwen3-Next's layout,
+    tiny) on zbus: each worker sets the KV cache block size its backends want, as
+    vLLM's own executor does after ``load_model`` (aligned with the layers' state
+    pages: 256 here), and the tokens are vLLM's own. Sabotage: no
+    ``update_block_size_for_backend`` in ``VllmWorker.load_model`` -> 16."""
+    mp = generate("mp", "--tp", "2", "--hybrid", "--prompts", "1", "--tokens", "8", tmp_path=tmp_path)
+    zbus = generate(ZBUS, "--tp", "2", "--hybrid", "--prompts", "1", "--tokens", "8", tmp_path=tmp_path)
+    print(f"KV block size of a hybrid model: vLLM's executor {mp['block_size']}, zbus {zbus['block_size']}")
+    assert zbus["block_size"] == mp["block_size"] != 16
+    assert zbus["tokens"] == mp["tokens"]
 
 
 def test_vllm_server_on_zbus_answers_and_leaves_nothing_at_sigterm(mp_tokens, tmp_path):

@@ -1,7 +1,7 @@
 """A vLLM engine on a tiny model made here (seeded random weights, no download),
 for the vLLM tests. Prints one JSON line per event.
 
-    python vllm_driver.py BACKEND --model DIR --tp N [--pp N] [--tokens N] [--prompts N] [--hold]
+    python vllm_driver.py BACKEND --model DIR --tp N [--pp N] [--tokens N] [--prompts N] [--hold] [--hybrid]
 
 ``--hold`` keeps generating until the engine fails (a test kills a worker) and
 reports the error and when it came.
@@ -28,23 +28,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--hold", action="store_true")
+    ap.add_argument("--hybrid", action="store_true", help="a hybrid model (attention and linear attention)")
     ap.add_argument("--model", required=True, help="an empty folder: the tiny model is made in it")
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from zbus.vllm.bench import tiny_model
+    from zbus.vllm.bench import TINY_HYBRID, TINY_LLAMA, tiny_model
 
     backend = a.backend
     if "." in backend:  # a class: vLLM asks a class, not its name, whether it supports PP
         module, _, name = backend.rpartition(".")
         backend = getattr(__import__(module, fromlist=[name]), name)
-    model = tiny_model(a.model)
+    model = tiny_model(a.model, TINY_HYBRID if a.hybrid else TINY_LLAMA)
     started = time.monotonic()
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, seed=0, enforce_eager=True,
               tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp, max_model_len=256,
               distributed_executor_backend=backend)
-    say(event="ready", start_s=round(time.monotonic() - started, 2))
+    say(event="ready", start_s=round(time.monotonic() - started, 2),
+        block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:a.prompts]]
     try:

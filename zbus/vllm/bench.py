@@ -36,11 +36,25 @@ TINY_LLAMA = {
 }
 
 
-def tiny_model(folder: str) -> str:
+# A hybrid model (attention and linear-attention layers, which keep state pages of
+# their own), as small as vLLM's CPU build runs it (head dims of 64).
+TINY_HYBRID = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 256,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "num_hidden_layers": 4, "full_attention_interval": 4, "vocab_size": 1024, "max_position_embeddings": 512,
+    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "partial_rotary_factor": 0.25, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+}
+
+
+def tiny_model(folder: str, config: dict = TINY_LLAMA) -> str:
     """``folder`` made a model folder holding only a config: vLLM fills it with
     seeded random weights."""
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+        json.dump(config, f)
     return folder
 
 

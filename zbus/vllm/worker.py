@@ -72,6 +72,18 @@ class VllmWorker(Worker):
             buffer.shared_memory.unlink()  # (forgotten by multiprocessing's tracker too)
             buffer.is_creator = False  # its __del__ would remove the name again
 
+    def load_model(self) -> None:
+        """vLLM's ``load_model``, then what vLLM's own executor does next in each
+        worker: the KV cache block size its attention backends want (a hybrid
+        model's, aligned with its state pages: 256 where 16 stayed before), and the
+        cache of vLLM's environment variables."""
+        from vllm.envs import enable_envs_cache
+        from vllm.platforms import current_platform
+
+        self.wrapper.load_model()
+        current_platform.update_block_size_for_backend(self.wrapper.vllm_config)
+        enable_envs_cache()
+
     def execute_model(self, scheduler_output: Any) -> Any:
         return self._output(self.wrapper.execute_model(scheduler_output))
 
