@@ -114,6 +114,26 @@ def test_a_call_completed_in_the_background_is_not_kept_by_the_completer(ex):
     assert sum(1 for o in gc.get_objects() if type(o) is Call) == 0
 
 
+def test_a_future_settled_by_another_callers_reads_returns_at_once(ex):
+    """Thread B's blocking call holds the reply lock until its own call is done, and
+    on the way settles an earlier non-blocking call: ``result(timeout=2)`` on that
+    call's future returns as soon as it is settled, not when B's call ends. Before,
+    it waited for the lock: a TimeoutError after 2 s on a call done after 0.3 s
+    (without a timeout, as long as B's call lasts). Sabotage: wait for the lock in
+    one piece in ``Executor._complete_until`` -> TimeoutError."""
+    first = ex.collective_rpc("sleep", args=(0.3,), non_block=True)
+    later = threading.Thread(target=ex.collective_rpc, args=("sleep",), kwargs={"args": (3,), "timeout": 30})
+    later.start()
+    try:
+        time.sleep(0.15)  # B holds the reply lock, reading call 1's replies on its way
+        start = time.monotonic()
+        assert first.result(timeout=2) == [0, 1]
+        took = time.monotonic() - start
+    finally:
+        later.join(30)
+    assert took < 1.0, took
+
+
 def test_non_blocking_futures_complete_by_themselves(ex):
     """done(), add_done_callback, concurrent.futures.wait and asyncio.wrap_future
     work with nobody calling result(). Sabotage: no completer (futures that finish

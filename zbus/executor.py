@@ -884,9 +884,17 @@ class MultiprocExecutor(Executor):
     def _complete_until(self, call: Call, deadline: float | None) -> None:
         if self._recv_lock.held_here():
             raise ZbusError(CALLBACK_WAITS)
-        left = remaining(deadline, "collective_rpc")
-        if not self._completer.acquire_for_caller(self._recv_lock, -1 if left is None else left):
-            raise TimeoutError("collective_rpc timed out waiting for replies")
+        # In slices: another caller that holds the lock for a later call of its own may
+        # settle this one meanwhile (then its replies are in: nothing to wait for).
+        while True:
+            left = Completer.SLICE_S if deadline is None else min(Completer.SLICE_S,
+                                                                  deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError("collective_rpc timed out waiting for replies")
+            if self._completer.acquire_for_caller(self._recv_lock, left):
+                break
+            if call.done():
+                return
         try:
             while not call.done() and self._pending:
                 try:  # in slices: the non-blocking calls queued meanwhile expire on time
