@@ -1048,6 +1048,30 @@ def kill_driver(proc: subprocess.Popen, workers: list[psutil.Process]) -> None:
     assert psutil.wait_procs(workers, timeout=10)[1] == []
 
 
+def test_workers_end_with_a_sigkilled_driver_whose_forked_child_lives_on():
+    """The driver forks a child that outlives it (multiprocessing's fork start
+    method, a DataLoader's workers): SIGKILL the driver and its workers still end,
+    their death pipe at EOF. Before, the child held the pipe's write end and the
+    workers served on, holding their GPUs, as long as it lived. Sabotage: no
+    ``os.register_at_fork`` in zbus/processes.py -> they outlive the 10 s."""
+    proc, workers = driver_of_two_workers(
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)", "time.sleep(60)")
+    child = [c for c in psutil.Process(proc.pid).children() if c.pid not in {w.pid for w in workers}]
+    assert len(child) == 1
+    try:
+        kill_driver(proc, workers)
+    finally:
+        child[0].kill()
+        for w in workers:
+            try:
+                w.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
 def test_workers_orphaned_inside_a_call_run_their_atexit_hooks(tmp_path):
     """A library's clean-up registered with ``atexit`` (vLLM's CPU all-reduce removes
     its shared memory so) still runs when the driver is SIGKILLed while the workers

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Callable
 
 from . import shm
@@ -75,6 +76,23 @@ def with_gloo_ifname(env: dict[str, str], ifname: str | None) -> dict[str, str]:
     return env
 
 
+# The workers of this process. A child it forks (multiprocessing's fork start
+# method, a DataLoader's workers) would inherit the write end of their death pipe,
+# and they would outlive a SIGKILL of this process for as long as that child lives.
+_alive: weakref.WeakSet[LocalWorkers] = weakref.WeakSet()
+
+
+def _forget_death_pipes() -> None:
+    """In a forked child: close the inherited write ends of the death pipes."""
+    for workers in list(_alive):
+        if workers._death_w >= 0:
+            os.close(workers._death_w)
+            workers._death_w = -1
+
+
+os.register_at_fork(after_in_child=_forget_death_pipes)
+
+
 class LocalWorkers:
     """Worker processes of one node: started as fresh interpreters (no fork),
     watched through pidfds, ended by pid. ``on_death(local_rank, exitcode)`` runs
@@ -114,6 +132,7 @@ class LocalWorkers:
             self._death_w = -1
             raise
         os.close(death_r)
+        _alive.add(self)
         self._thread = threading.Thread(target=self._watch, args=(pidfds,), name="zbus-worker-monitor",
                                         daemon=True)
         self._thread.start()
@@ -189,5 +208,6 @@ class LocalWorkers:
         if hasattr(self, "_thread") and self._thread is not threading.current_thread():
             self._thread.join(5)  # (a failure callback may call shutdown on this thread)
         for fd in (self._death_w, self._stop_r, self._stop_w):
-            os.close(fd)
+            if fd >= 0:  # (a forked child closed its death pipe's end at once)
+                os.close(fd)
         self._death_w = -1
