@@ -1027,6 +1027,35 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory(killed):
         end_process(proc)
 
 
+def test_a_call_whose_send_ctrl_c_cut_short_is_forgotten():
+    """Ctrl-C while a call waits to send (here: behind the rest of an earlier call
+    that timed out on a full ring): no rank got it, so its number is free again and
+    the next call is answered. Before, it stayed pending: the next call's reply was
+    read as its own and failed the executor ("protocol error: expected the reply to
+    call 3"). Sabotage: no ``_send_cut_short`` in ``collective_rpc``."""
+    proc = spawn_python(
+        "import os, signal, threading, zbus, workers\n"
+        "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=1)\n"
+        "ex.collective_rpc('sleep', args=(2,), non_block=True)\n"
+        "try:\n"
+        "    ex.collective_rpc('echo', args=(b'x' * 2**20,), timeout=0.2)  # a 256 KiB ring\n"
+        "except TimeoutError:\n"
+        "    print('timed out', flush=True)\n"
+        "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+        "try:\n"
+        "    ex.collective_rpc('rank_value', args=(1,), timeout=10)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "print(ex.collective_rpc('rank_value', args=(4,), timeout=10), flush=True)\n"
+        "ex.shutdown()\n", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={"ZBUS_RING": "64Kx4"})
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_process(proc)
+    assert out.split("\n")[:3] == ["timed out", "interrupted", "[40]"], (out, err[-2000:])
+
+
 def driver_of_two_workers(setup: str, then: str, *argv: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
     """A driver process with 2 EchoWorkers (``ex``) that runs the code ``setup``,
     prints its workers' pids (read here), then runs ``then``."""

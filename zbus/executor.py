@@ -828,8 +828,10 @@ class MultiprocExecutor(Executor):
                         deadline if non_block else None, deadline)
             self._pending.append(call)
             self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
+            ring, nodes_got = self._bcast.ring, [False]
+            started = ring.started if ring is not None else 0
             try:
-                self._publish(frames, deadline)
+                self._publish(frames, deadline, nodes_got)
             except SendTimeout as e:
                 if not e.queued:  # no rank will answer it; its number is free again
                     self._pending.pop()
@@ -837,6 +839,11 @@ class MultiprocExecutor(Executor):
                 raise TimeoutError(f"collective_rpc({method!r}) timed out sending: {e}") from None
             except (RingClosed, Cancelled):
                 raise self.failure.error or ZbusError("executor is shut down") from None
+            except BaseException as e:  # Ctrl-C, say, in a wait to send
+                got = ([ring.started > started] if ring is not None else []) + (
+                    nodes_got if self._leader is not None else [])
+                self._send_cut_short(call, got, e)
+                raise
         finally:
             self._send_lock.release()
             self._run_completions()  # those the wait to send completed (see _drain_ready)
@@ -847,17 +854,35 @@ class MultiprocExecutor(Executor):
         self._complete_until(call, deadline)
         return call.value()
 
-    def _publish(self, frames: list, deadline: float | None) -> None:
+    def _publish(self, frames: list, deadline: float | None, nodes_got: list[bool]) -> None:
         """One call to every rank: the local ring, and one copy per follower node.
-        Once the nodes' copy is queued, the leader records the call (heartbeats
-        carry the last call number sent, so a node that lost calls in a reset
-        connection finds out without a next call) and keeps a copy to send again,
-        made while ZeroMQ still sends the caller's buffers."""
+        Once the nodes' copy is queued (``nodes_got[0]`` then True), the leader
+        records the call (heartbeats carry the last call number sent, so a node that
+        lost calls in a reset connection finds out without a next call) and keeps a
+        copy to send again, made while ZeroMQ still sends the caller's buffers."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
-        queued = (lambda: self._leader.sent(self._seq, frames)) if self._leader is not None else None
+
+        def queued() -> None:
+            nodes_got[0] = True
+            self._leader.sent(self._seq, frames)
+
         self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self.failure.cancel, lock,
-                                   queued)
+                                   queued if self._leader is not None else None)
+
+    def _send_cut_short(self, call: Call, got: list[bool], error: BaseException) -> None:
+        """A send ended by something other than its deadline (``got``: whether the
+        local ring, the nodes, received the call). A call no rank got is forgotten,
+        its number free again; one every rank got is answered as any other. One that
+        only some got fails the executor: its ranks would not agree on the calls."""
+        if all(got):
+            return
+        if not any(got):
+            self._pending.pop()
+            self._seq -= 1
+            return
+        self.failure.fail(ExecutorFailedError(
+            f"call {call.seq} reached only some ranks: its send was cut short ({type(error).__name__})"))
 
     def _holds_a_lock(self) -> bool:
         return self._recv_lock.held_here() or self._send_lock.held_here()
@@ -1030,7 +1055,7 @@ class MultiprocExecutor(Executor):
             try:
                 stop = codec.encode([protocol.STOP])
                 if self.failure.error is None:
-                    self._publish(stop, deadline_of(1.0))
+                    self._publish(stop, deadline_of(1.0), [False])
                 elif self._leader is not None and not self._leader.try_publish_to_nodes(stop, 1.0):
                     log.warning("STOP not sent to the nodes: they end on the leader's 'failed'")
             except (TimeoutError, RingClosed, Cancelled):

@@ -254,6 +254,7 @@ class RingWriter(_Ring):
         super().__init__(seg, policy)
         self._seq = self._q[_W_WSEQ]
         self._pending: tuple[list[memoryview], int] | None = None
+        self.started = 0  # messages begun: each is finished, whatever cuts its send short
         self._min_read = 0
         self._reader_flags = [(_reader_off(r) + 8) // 4 for r in range(self.n_readers)]
         self._bell = shm.Doorbell(self._bell_prefix + "w", "the writer")
@@ -295,6 +296,7 @@ class RingWriter(_Ring):
         if self._pending is None and (self._seq - self._min_read < self.n_chunks or self._has_space()):
             # most calls: the message fits one free chunk and is written straight into it
             if _write_message(self._buf, self._chunk(self._seq), frames, self.chunk_bytes) >= 0:
+                self.started += 1
                 self._publish()
                 return
         views, lens, offsets, total = _views_and_layout(frames)
@@ -313,6 +315,7 @@ class RingWriter(_Ring):
             at = off + n
         pieces.reverse()  # popped from the end
         self._pending = (pieces, total)
+        self.started += 1
         try:
             self.flush(deadline, cancel, on_full)
         except BaseException as e:
