@@ -296,8 +296,10 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
                        (dict(trust_remote_code=True), "remote code")):
         with pytest.raises(ZbusError, match=match):
             check_remote_config(config(**bad), set())
-    check_remote_config(config(worker_cls="mine.Worker", trust_remote_code=True),
-                        {"mine", "trust_remote_code"})
+    check_remote_config(config(worker_cls="mine.Worker", trust_remote_code=True,
+                               logits_processors=["mine.lp:Keep", "mine:Top"]), {"mine", "trust_remote_code"})
+    with pytest.raises(ZbusError, match="logits"):
+        check_remote_config(config(logits_processors=["mine.lp:Keep"]), {"mine.lp.Other"})
 
     def with_parts(**parts):
         c = config()
@@ -617,6 +619,16 @@ def test_an_engine_killed_leaves_no_segment(tmp_path, killed):
             assert shm_used() - used < 2**20
         finally:
             engine.close()
+
+
+def test_a_logits_processor_given_as_a_class_reaches_the_workers(mp_tokens, tmp_path):
+    """vLLM takes logits processors as classes or as ``"module:Class"`` names; a
+    class travels to zbus's workers as its name, which vLLM's loader reads only
+    in that form. Before, the name was ``module.Class``: every worker refused it
+    ("Invalid logits processor FQCN") and the engine did not start. Sabotage:
+    ``module.Class`` in ``wire._reducer``."""
+    out = generate(ZBUS, "--tp", "2", "--logits-processor", "vllm_logits:KeepLogits", tmp_path=tmp_path)
+    assert out["tokens"] == mp_tokens  # (it changes no logit)
 
 
 def test_a_hybrid_model_gets_the_kv_block_size_of_vllms_own_executor(tmp_path):

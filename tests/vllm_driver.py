@@ -2,6 +2,7 @@
 for the vLLM tests. Prints one JSON line per event.
 
     python vllm_driver.py BACKEND --model DIR --tp N [--pp N] [--tokens N] [--prompts N] [--hold] [--hybrid]
+                                   [--logits-processor MODULE:CLASS]
 
 ``--hold`` keeps generating until the engine fails (a test kills a worker) and
 reports the error and when it came.
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--hybrid", action="store_true", help="a hybrid model (attention and linear attention)")
+    ap.add_argument("--logits-processor", help="module:Class, given to the engine as the class")
     ap.add_argument("--model", required=True, help="an empty folder: the tiny model is made in it")
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
@@ -41,10 +43,14 @@ def main() -> None:
         module, _, name = backend.rpartition(".")
         backend = getattr(__import__(module, fromlist=[name]), name)
     model = tiny_model(a.model, TINY_HYBRID if a.hybrid else TINY_LLAMA)
+    extra = {}
+    if a.logits_processor:
+        module, _, name = a.logits_processor.partition(":")
+        extra["logits_processors"] = [getattr(__import__(module), name)]
     started = time.monotonic()
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, seed=0, enforce_eager=True,
               tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp, max_model_len=256,
-              distributed_executor_backend=backend)
+              distributed_executor_backend=backend, **extra)
     say(event="ready", start_s=round(time.monotonic() - started, 2),
         block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)

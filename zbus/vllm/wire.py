@@ -94,8 +94,9 @@ def _reducer(t: type) -> Callable[[Any], tuple[str, Any]] | None:
         return lambda obj: (t.__name__, list(obj))
     if t is collections.Counter:
         return lambda obj: ("Counter", dict(obj))
-    if issubclass(t, type):  # (a backend class in the config): its name, never imported
-        return lambda obj: ("class", f"{obj.__module__}.{obj.__qualname__}")
+    if issubclass(t, type):  # (the backend, logits processors): its name, never imported here,
+        # in the form vLLM's loaders read (a logits processor's "module:Class")
+        return lambda obj: ("class", f"{obj.__module__}:{obj.__qualname__}")
     torch = sys.modules.get("torch")
     if torch is not None and t is torch.dtype:
         return lambda obj: ("dtype", str(obj).removeprefix("torch."))

@@ -239,7 +239,8 @@ def check_remote_config(config: Any, allow: set[str]) -> None:
             return
         for item in value if isinstance(value, (list, tuple)) else [value]:
             name = item if isinstance(item, str) else f"{type(item).__module__}.{type(item).__qualname__}"
-            if name not in allow and not any(name.startswith(p + ".") for p in allow):
+            dotted = name.replace(":", ".")  # ("module:Class", as vLLM names a logits processor)
+            if dotted not in allow and not any(dotted.startswith(p + ".") for p in allow):
                 raise ZbusError(f"the leader's configuration names {what} {name!r}, which this node "
                                 f"does not allow (set {ALLOW_ENV} on this node to allow it)")
 
