@@ -591,6 +591,30 @@ def test_a_failure_callback_reads_a_pending_future_at_once():
         ex.shutdown()
 
 
+def test_a_failure_callback_run_by_the_reader_of_replies_shuts_down_at_once():
+    """The worker closes its replies and takes 4 s to exit (``SystemExit``, then a
+    slow ``atexit`` hook): the caller reading them fails the executor after
+    ``EXIT_REPORT_S`` while it holds the reply lock, and runs the failure callback,
+    which shuts the executor down. Before, that shutdown waited 5 s for the lock
+    its own thread held (vLLM's engine gives its callback 5 s). Sabotage: take the
+    locks in ``_shut_down_once`` without ``held_here`` -> 5 s or more."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=1)
+    took = {}
+
+    def shut_down() -> None:
+        start = time.monotonic()
+        ex.shutdown()
+        took["s"] = time.monotonic() - start
+
+    ex.register_failure_callback(shut_down)
+    try:
+        with pytest.raises(zbus.ZbusError):
+            ex.collective_rpc("die", args=(None, "exit", 4.0), timeout=30)
+    finally:
+        ex.shutdown()
+    assert took["s"] < 4.0, took
+
+
 def test_a_done_callback_run_by_a_shutdown_may_shut_down_too(monkeypatch):
     """A shutdown fails the pending calls, and their futures complete in its
     thread: a callback there that calls ``shutdown()`` again returns at once (its

@@ -1014,21 +1014,24 @@ class MultiprocExecutor(Executor):
         # Names first (gone already unless the start failed): a driver killed while it
         # waits for its workers below must not leave a name behind.
         self._unlink_names()
-        sending = self._send_lock.acquire(timeout=1.0)
+        # A failure callback run by a caller that holds a lock shuts down on its thread:
+        # it has the lock already (waiting for it would wait out the timeouts below).
+        own_send, own_recv = self._send_lock.held_here(), self._recv_lock.held_here()
+        sending = own_send or self._send_lock.acquire(timeout=1.0)
         if not sending:  # a caller is blocked sending: cancel it, it raises ZbusError
             self.failure.cancel_waits()
             sending = self._send_lock.acquire(timeout=5.0)
         try:  # holding the send lock: no new call starts (callers re-check _closed)
             self._stop_workers(sending)
             self._wake_callers()
-            receiving = self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
+            receiving = own_recv or self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
             try:
                 self._free()
             finally:
-                if receiving:
+                if receiving and not own_recv:
                     self._recv_lock.release()
         finally:
-            if sending:
+            if sending and not own_send:
                 self._send_lock.release()
             self._run_completions()  # the pending calls' futures fail now, every step done
 
