@@ -587,6 +587,20 @@ def test_geometry_setting(monkeypatch):
         RingGeometry.from_env()
 
 
+@pytest.mark.parametrize("name, value", [("ZBUS_WAIT_SLICE", "0"), ("ZBUS_WAIT_SLICE", "-1"),
+                                         ("ZBUS_WAIT_SLICE", "nan"), ("ZBUS_YIELD_US", "-5"),
+                                         ("ZBUS_SPIN_US", "inf"), ("ZBUS_SPIN_US", "fast")])
+def test_wait_settings_out_of_range_are_refused(monkeypatch, name, value):
+    """A wait slice of 0 or less made every doorbell sleep 1 us (a busy loop), and
+    ``nan`` one that ``min`` with a deadline let through. Sabotage: read them with
+    ``float`` alone, as before -> accepted."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        WaitPolicy.from_env()
+    monkeypatch.setenv(name, "0.25")
+    assert WaitPolicy.from_env().slice_s == (0.25 if name == "ZBUS_WAIT_SLICE" else 0.5)
+
+
 def test_received_buffers_are_reused_only_when_nothing_refers_to_them():
     writer = RingWriter.create(1, RingGeometry(64 * 1024, 8))
     reader = RingReader.attach(writer.handle, 0)

@@ -15,11 +15,13 @@
                is what costs most (measured: docs/benchmarks.md).
 ``ZBUS_WAIT_SLICE`` longest single doorbell sleep in seconds (default 0.5). Wake-ups
                do not depend on it; it bounds how late a cancel event or a third
-               party's abort is seen.
+               party's abort is seen. Above 0; the others at least 0 (else
+               ValueError).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -73,6 +75,19 @@ class WaitPolicy:
     @classmethod
     def from_env(cls) -> WaitPolicy:
         many = usable_cores() > 2
-        spin = float(os.environ.get("ZBUS_SPIN_US", 50 if many else 0)) / 1e6
-        yld = float(os.environ.get("ZBUS_YIELD_US", 200)) / 1e6
-        return cls(spin, yld, float(os.environ.get("ZBUS_WAIT_SLICE", 0.5)))
+        spin = _number("ZBUS_SPIN_US", 50 if many else 0) / 1e6
+        yld = _number("ZBUS_YIELD_US", 200) / 1e6
+        # (a slice of 0 would make every sleep one microsecond: a busy loop)
+        return cls(spin, yld, _number("ZBUS_WAIT_SLICE", 0.5, positive=True))
+
+
+def _number(name: str, default: float, positive: bool = False) -> float:
+    """The number setting ``name``: finite, at least 0 (``positive``: above 0)."""
+    text = os.environ.get(name)
+    try:
+        value = default if text is None else float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}={text!r}: expected a {'positive' if positive else 'non-negative'} number")
+    return value

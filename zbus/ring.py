@@ -492,7 +492,7 @@ class RingReader(_Ring):
                        "recv", poll=poll, raised=2)
             if self._q[_W_WSEQ] <= last:
                 raise RingClosed(f"ring {self.name} closed")
-            _fence()  # acquire: the chunks' bytes are read after write_seq
+        _fence()  # acquire: the chunks' bytes are read after write_seq (published before or not)
         first = self._pos % n
         head = min(k, n - first)
         pieces = [(self._data + first * cb, head * cb)]
