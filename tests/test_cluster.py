@@ -738,33 +738,36 @@ def test_status_requests_from_a_peer_that_reads_no_answer_do_not_hold_up_heartbe
     at once, and the I/O thread goes on heartbeating the nodes. Sabotage: answer
     with ``wait=True`` in ``Membership._answer_status`` (1 s for each answer that
     finds the peer full): no heartbeat for minutes."""
+    with formed_leader_and_a_peer_that_reads_nothing(b"S") as (lead, healthy, push):
+        lead.membership._status = lambda: {"pad": "x" * 16384}  # answers that fill the peer soon
+        for i in range(3000):
+            push.send_multipart(codec.encode(["status", f"t{i}"]))
+        heard = heartbeats_heard(healthy, 3.0)
+        print(f"heartbeats heard in 3 s while 3000 status answers went to a peer that reads none: {heard}")
+        assert heard >= 8  # one per 0.2 s
+
+
+@contextlib.contextmanager
+def formed_leader_and_a_peer_that_reads_nothing(topic: bytes, rcvbuf: int = 0):
+    """A formed leader (no executor) heartbeating, a peer subscribed to ``topic``
+    that reads nothing, a subscriber to the heartbeats, and a PUSH socket to the
+    leader's port: ``(leader, heartbeats, push)``."""
     lead, port = bare_leader(nnodes=2)
-    lead.membership._status = lambda: {"pad": "x" * 16384}  # answers that fill the peer soon
     ctx = zmq.Context()
     hog, healthy, push = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     try:
         hog.setsockopt(zmq.RCVHWM, 1)
-        hog.setsockopt(zmq.SUBSCRIBE, b"S")
+        if rcvbuf:
+            hog.setsockopt(zmq.RCVBUF, rcvbuf)
+        hog.setsockopt(zmq.SUBSCRIBE, topic)
         healthy.setsockopt(zmq.SUBSCRIBE, TOPIC_HEARTBEAT)
         for sub in (hog, healthy):
             sub.connect(f"tcp://127.0.0.1:{port}")
         push.connect(f"tcp://127.0.0.1:{port + 1}")
         lead.membership.formed = True
         lead.start()
-
-        def heartbeats_heard(seconds: float) -> int:
-            end, n = time.monotonic() + seconds, 0
-            while time.monotonic() < end:
-                if healthy.poll(50, zmq.POLLIN):
-                    n += codec.decode(healthy.recv_multipart()[1:])[0] == "hb"
-            return n
-
-        wait_until(lambda: heartbeats_heard(0.3) > 0, 20, "a first heartbeat")
-        for i in range(3000):
-            push.send_multipart(codec.encode(["status", f"t{i}"]))
-        heard = heartbeats_heard(3.0)
-        print(f"heartbeats heard in 3 s while 3000 status answers went to a peer that reads none: {heard}")
-        assert heard >= 8  # one per 0.2 s
+        wait_until(lambda: heartbeats_heard(healthy, 0.3) > 0, 20, "a first heartbeat")
+        yield lead, healthy, push
     finally:
         lead.close()
         for sock in (hog, healthy, push):
@@ -781,20 +784,7 @@ def test_joins_after_formation_from_a_peer_that_reads_no_answer_do_not_hold_up_h
     reject with ``wait=True`` in ``Membership._on_join`` -> once the peer's queues
     are full (about 37 000 refusals), each refusal waits for room: 40 000 refused
     in 30 s."""
-    lead, port = bare_leader(nnodes=2)
-    ctx = zmq.Context()
-    hog, healthy, push = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-    try:
-        hog.setsockopt(zmq.RCVHWM, 1)
-        hog.setsockopt(zmq.RCVBUF, 4096)
-        hog.setsockopt(zmq.SUBSCRIBE, b"N")
-        healthy.setsockopt(zmq.SUBSCRIBE, TOPIC_HEARTBEAT)
-        for sub in (hog, healthy):
-            sub.connect(f"tcp://127.0.0.1:{port}")
-        push.connect(f"tcp://127.0.0.1:{port + 1}")
-        lead.membership.formed = True
-        lead.start()
-        wait_until(lambda: heartbeats_heard(healthy, 0.3) > 0, 20, "a first heartbeat")
+    with formed_leader_and_a_peer_that_reads_nothing(b"N", rcvbuf=4096) as (lead, healthy, push):
         push.send_multipart(codec.encode(["join", "x" * 33, {}]))
         wait_until(lambda: lead.dropped_by.get("bad-join") == 1, 10, "the long node id dropped")
         stop, sent = threading.Event(), [0]
@@ -822,11 +812,6 @@ def test_joins_after_formation_from_a_peer_that_reads_no_answer_do_not_hold_up_h
         print(f"heartbeats heard in 3 s after {refused} of {sent[0]} joins refused to a peer that reads "
               f"none: {heard}")
         assert heard >= 8 and refused >= JOIN_FLOOD  # one heartbeat per 0.2 s
-    finally:
-        lead.close()
-        for sock in (hog, healthy, push):
-            sock.close(linger=0)
-        ctx.term()
 
 
 JOIN_FLOOD = 60_000  # refusals: more than the peer's queues and the kernel's buffers take
