@@ -615,6 +615,20 @@ def test_a_failure_callback_run_by_the_reader_of_replies_shuts_down_at_once():
     assert took["s"] < 4.0, took
 
 
+def test_an_inproc_shutdown_fails_the_calls_still_waiting_for_an_answer():
+    """A method may return a Future, answered later; ``backend="inproc"``'s shutdown
+    left such a call pending: its future waited for an answer that may never come
+    (a blocking caller without a timeout, for good). Now it fails with ZbusError,
+    as the other backend's pending calls do, and an answer that comes after is
+    dropped. Sabotage: no settling in ``InprocExecutor.shutdown`` -> TimeoutError."""
+    ex = zbus.Executor(EchoWorker, backend="inproc")
+    pending = ex.collective_rpc("later", args=(1, 2.5), non_block=True)
+    ex.shutdown()
+    assert isinstance(pending.exception(timeout=1), zbus.ZbusError)
+    time.sleep(2)  # the answer comes, and goes nowhere
+    assert "shut down" in str(pending.exception(timeout=0))
+
+
 def test_a_done_callback_run_by_a_shutdown_may_shut_down_too(monkeypatch):
     """A shutdown fails the pending calls, and their futures complete in its
     thread: a callback there that calls ``shutdown()`` again returns at once (its

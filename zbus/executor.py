@@ -464,6 +464,11 @@ class InprocExecutor(Executor):
     def shutdown(self) -> None:
         self._closed = True
         self.failure.close()
+        # Calls whose method returned a Future not yet answered: failed, as the other
+        # backend fails its pending calls (an answer that comes later is dropped).
+        for call in list(self._calls.values()):
+            call.settle(False, ZbusError("executor is shut down"), complete=False)
+        self._run_completions()
 
 
 def reserve_port(host: str) -> int:
