@@ -1065,12 +1065,21 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory(killed):
         end_process(proc)
 
 
-def test_a_call_whose_send_ctrl_c_cut_short_is_forgotten():
-    """Ctrl-C while a call waits to send (here: behind the rest of an earlier call
-    that timed out on a full ring): no rank got it, so its number is free again and
-    the next call is answered. Before, it stayed pending: the next call's reply was
-    read as its own and failed the executor ("protocol error: expected the reply to
-    call 3"). Sabotage: no ``_send_cut_short`` in ``collective_rpc``."""
+@pytest.mark.parametrize("cut", ["ctrl-c", "deadline"])
+def test_a_call_whose_send_ctrl_c_cut_short_is_forgotten(cut):
+    """Ctrl-C, or the call's deadline, while a call waits to send (here: behind the
+    rest of an earlier call that timed out on a full ring): no rank got it, so its
+    number is free again and the next call is answered. Before, after Ctrl-C it
+    stayed pending: the next call's reply was read as its own and failed the
+    executor ("protocol error: expected the reply to call 3"). Sabotage: no
+    ``_send_cut_short`` in ``collective_rpc`` -> both fail."""
+    interrupt = ("threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+                 "try:\n"
+                 "    ex.collective_rpc('rank_value', args=(1,), timeout=10)\n"
+                 "except KeyboardInterrupt:\n" if cut == "ctrl-c" else
+                 "try:\n"
+                 "    ex.collective_rpc('rank_value', args=(1,), timeout=0.3)\n"
+                 "except TimeoutError:\n")
     proc = spawn_python(
         "import os, signal, threading, zbus, workers\n"
         "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=1)\n"
@@ -1079,10 +1088,7 @@ def test_a_call_whose_send_ctrl_c_cut_short_is_forgotten():
         "    ex.collective_rpc('echo', args=(b'x' * 2**20,), timeout=0.2)  # a 256 KiB ring\n"
         "except TimeoutError:\n"
         "    print('timed out', flush=True)\n"
-        "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
-        "try:\n"
-        "    ex.collective_rpc('rank_value', args=(1,), timeout=10)\n"
-        "except KeyboardInterrupt:\n"
+        f"{interrupt}"
         "    print('interrupted', flush=True)\n"
         "print(ex.collective_rpc('rank_value', args=(4,), timeout=10), flush=True)\n"
         "ex.shutdown()\n", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

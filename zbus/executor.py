@@ -837,17 +837,14 @@ class MultiprocExecutor(Executor):
             started = ring.started if ring is not None else 0
             try:
                 self._publish(frames, deadline, nodes_got)
-            except SendTimeout as e:
-                if not e.queued:  # no rank will answer it; its number is free again
-                    self._pending.pop()
-                    self._seq -= 1
-                raise TimeoutError(f"collective_rpc({method!r}) timed out sending: {e}") from None
-            except (RingClosed, Cancelled):
-                raise self.failure.error or ZbusError("executor is shut down") from None
-            except BaseException as e:  # Ctrl-C, say, in a wait to send
+            except BaseException as e:  # its deadline, a shutdown, Ctrl-C in a wait to send
                 got = ([ring.started > started] if ring is not None else []) + (
                     nodes_got if self._leader is not None else [])
                 self._send_cut_short(call, got, e)
+                if isinstance(e, SendTimeout):
+                    raise TimeoutError(f"collective_rpc({method!r}) timed out sending: {e}") from None
+                if isinstance(e, (RingClosed, Cancelled)):
+                    raise self.failure.error or ZbusError("executor is shut down") from None
                 raise
         finally:
             self._send_lock.release()
@@ -876,10 +873,12 @@ class MultiprocExecutor(Executor):
                                    queued if self._leader is not None else None)
 
     def _send_cut_short(self, call: Call, got: list[bool], error: BaseException) -> None:
-        """A send ended by something other than its deadline (``got``: whether the
-        local ring, the nodes, received the call). A call no rank got is forgotten,
-        its number free again; one every rank got is answered as any other. One that
-        only some got fails the executor: its ranks would not agree on the calls."""
+        """A send that raised (``got``: whether the local ring, the nodes, received
+        the call; a message the ring began, or the nodes' copy once queued, is
+        delivered whole). A call no rank got is forgotten, its number free again;
+        one every rank got is answered as any other (a send past its deadline may
+        still be delivered). One that only some got fails the executor: its ranks
+        would not agree on the calls."""
         if all(got):
             return
         if not any(got):
