@@ -738,7 +738,7 @@ def test_status_requests_from_a_peer_that_reads_no_answer_do_not_hold_up_heartbe
     at once, and the I/O thread goes on heartbeating the nodes. Sabotage: answer
     with ``wait=True`` in ``Membership._answer_status`` (1 s for each answer that
     finds the peer full): no heartbeat for minutes."""
-    with formed_leader_and_a_peer_that_reads_nothing(b"S") as (lead, healthy, push):
+    with formed_leader_and_a_peer_that_reads_nothing(b"S") as (lead, healthy, push, _):
         lead.membership._status = lambda: {"pad": "x" * 16384}  # answers that fill the peer soon
         for i in range(3000):
             push.send_multipart(codec.encode(["status", f"t{i}"]))
@@ -751,7 +751,7 @@ def test_status_requests_from_a_peer_that_reads_no_answer_do_not_hold_up_heartbe
 def formed_leader_and_a_peer_that_reads_nothing(topic: bytes, rcvbuf: int = 0):
     """A formed leader (no executor) heartbeating, a peer subscribed to ``topic``
     that reads nothing, a subscriber to the heartbeats, and a PUSH socket to the
-    leader's port: ``(leader, heartbeats, push)``."""
+    leader's port: ``(leader, heartbeats, push, peer)``."""
     lead, port = bare_leader(nnodes=2)
     ctx = zmq.Context()
     hog, healthy, push = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
@@ -767,7 +767,7 @@ def formed_leader_and_a_peer_that_reads_nothing(topic: bytes, rcvbuf: int = 0):
         lead.membership.formed = True
         lead.start()
         wait_until(lambda: heartbeats_heard(healthy, 0.3) > 0, 20, "a first heartbeat")
-        yield lead, healthy, push
+        yield lead, healthy, push, hog
     finally:
         lead.close()
         for sock in (hog, healthy, push):
@@ -784,7 +784,7 @@ def test_joins_after_formation_from_a_peer_that_reads_no_answer_do_not_hold_up_h
     reject with ``wait=True`` in ``Membership._on_join`` -> once the peer's queues
     are full (about 37 000 refusals), each refusal waits for room: 40 000 refused
     in 30 s."""
-    with formed_leader_and_a_peer_that_reads_nothing(b"N", rcvbuf=4096) as (lead, healthy, push):
+    with formed_leader_and_a_peer_that_reads_nothing(b"N", rcvbuf=4096) as (lead, healthy, push, _):
         push.send_multipart(codec.encode(["join", "x" * 33, {}]))
         wait_until(lambda: lead.dropped_by.get("bad-join") == 1, 10, "the long node id dropped")
         stop, sent = threading.Event(), [0]
@@ -823,6 +823,59 @@ def heartbeats_heard(sub: zmq.Socket, seconds: float) -> int:
         if sub.poll(50, zmq.POLLIN):
             n += codec.decode(sub.recv_multipart()[1:])[0] == "hb"
     return n
+
+
+def test_calls_sent_again_to_a_node_whose_queue_is_full_wait_for_its_next_ask(caplog):
+    """Node 1 lost calls 1 to 3 (a reset connection) and asks for them again while
+    its queue at the leader is full (its new connection not yet read): the leader
+    sends what fits and the node asks again for the rest, as it does every 0.5 s
+    until its own limit. The leader gave the node up ("missed calls") when the
+    calls found no room within 1 s, as if they were no longer kept, and waited
+    that second on its I/O thread. A gap across calls no longer kept still fails
+    the node. Sabotage: return None in ``DataPath.resend`` when a send times out
+    -> NodeLostError at the first ask."""
+    from zbus.membership import NodeInfo
+
+    caplog.set_level("WARNING", logger="zbus.membership")
+    topic = node_topic("n1")
+    with formed_leader_and_a_peer_that_reads_nothing(topic, rcvbuf=4096) as (lead, _, push, node):
+        lead.nodes[1] = NodeInfo(1, "n1", "n1.test", "127.0.0.1", 1, 1, time.monotonic())
+        for seq in (1, 2, 3):
+            lead.path.sent(seq, [b"call %d" % seq], [1])
+        refused = 0
+        for _ in range(100_000):  # fill the node's queue, until the kernel takes no more of it
+            if lead.path.send_control(topic, "x" * 16384, wait=False):
+                refused = 0
+            elif (refused := refused + 1) < 5:
+                time.sleep(0.05)
+            else:
+                break
+        calls: list[bytes] = []
+
+        def ask() -> None:  # with its heartbeat (liveness 1 s)
+            push.send_multipart(codec.encode(["hb", 1]))
+            push.send_multipart(codec.encode(["gap", 1, 1, 4]))
+            time.sleep(0.1)
+
+        def full_queue_answered() -> bool:
+            ask()
+            return "missed calls 1 to 4: 0 sent again" in caplog.text
+
+        def calls_arrived() -> bool:  # its connection is read at last
+            while node.poll(200):
+                frames = node.recv_multipart()
+                calls.extend(frames[1:] if frames[0] == topic + TOPIC_RPC else [])
+            if len(calls) < 3:
+                ask()
+            return len(calls) >= 3
+
+        wait_until(full_queue_answered, 10, "an ask answered while the queue is full")
+        assert lead.failure.error is None, lead.failure.error
+        wait_until(calls_arrived, 10, "the calls sent again")
+        assert calls[:3] == [b"call 1", b"call 2", b"call 3"] and lead.failure.error is None
+        push.send_multipart(codec.encode(["gap", 1, 0, 4]))  # call 0 was never kept
+        wait_until(lambda: lead.failure.error is not None, 10, "the node failed")
+        assert "missed calls 0 to 4" in str(lead.failure.error)
 
 
 def test_a_sustained_burst_of_small_calls_keeps_the_slowest_node_alive():

@@ -273,7 +273,7 @@ def test_calls_lost_in_a_reset_connection_are_sent_again(cluster, case):
     drops those it has. Every call is answered, right, in order, and none waits
     more than the liveness limit; the leader did send calls again (for
     ``replies``: dropped copies of replies it had, so the workers sent again).
-    Sabotage: ``DataPath.resend`` returns False (the minimum: the node is
+    Sabotage: ``DataPath.resend`` returns None (the minimum: the node is
     failed): ``NodeLostError``; heartbeats without the number too (``["hb"]`` in
     ``Membership._step``): the driver hangs; keep calls up to 1 MiB only (as before)
     → ``calls_over_1MiB`` fails with ``NodeLostError`` ("missed calls"); send no

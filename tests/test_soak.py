@@ -68,7 +68,7 @@ def test_soak_across_hosts_with_links_flapped_and_connections_reset_loses_nothin
     each of the 9 processes within ``MAX_GROWTH_MIB`` of its size after warm-up;
     the leader and both followers exit 0 and leave no process or segment on any
     host (the session guard checks this one's). About 30 s here.
-    Sabotage: ``DataPath.resend`` returns False (lost calls are not sent again)
+    Sabotage: ``DataPath.resend`` returns None (lost calls are not sent again)
     → fails: NodeLostError ("missed calls 504 to 520") at the first reset that
     lost calls, 96 lost (3 runs of 3); ``ReplySender._send_again`` returns at
     once (replies are not sent again) → fails on the copies count, 0 (3 of 3;

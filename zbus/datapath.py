@@ -53,6 +53,7 @@ MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more ar
 PULL_RCVHWM = 16
 MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
 RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
+RESEND_WAIT_S = 0.25  # a node's queue full this long: the rest waits for its next ask (every 0.5 s)
 
 
 _INT_TYPES = frozenset([*range(0x00, 0x80), *range(0xcc, 0xd4), *range(0xe0, 0x100)])
@@ -311,21 +312,24 @@ class DataPath:
         sent (its replies may come before ``sent`` records it)."""
         return self.sent_seq + 1
 
-    def resend(self, node_id: str, first: Any) -> bool:
+    def resend(self, node_id: str, first: Any) -> int | None:
         """Send calls ``first``..last again to node ``node_id`` alone, on its node
-        topic; False if they are no longer all kept or could not be sent."""
+        topic: how many went (fewer when its queue stayed full: the node asks again
+        for the rest, and gives up after its own limit), or None if they are no
+        longer all kept (the node cannot be made whole)."""
         calls = self.calls.since(first)
         if calls is None:
-            return False
-        topic = node_topic(node_id) + TOPIC_RPC
+            return None
+        topic, deadline, sent = node_topic(node_id) + TOPIC_RPC, deadline_of(RESEND_WAIT_S), 0
         for frames in calls:
             try:
-                send_frames(self.bcast.xpub, self.bcast.wire(topic, frames), deadline_of(1.0),
-                            "send calls again", lock=self.xpub_lock)
+                send_frames(self.bcast.xpub, self.bcast.wire(topic, frames), deadline, "send calls again",
+                            lock=self.xpub_lock)
             except TimeoutError:
-                return False
-        self.calls_again += len(calls)
-        return True
+                break
+            sent += 1
+        self.calls_again += sent
+        return sent
 
     def send_control(self, topic: bytes, obj: Any, timeout: float = 5.0, wait: bool = True) -> bool:
         """Send a control message to the nodes; False if the XPUB socket stayed busy

@@ -375,12 +375,13 @@ class Membership:
             self._on_subscribed(msg[1])
         elif kind == "gap" and len(msg) == 4 and type(msg[1]) is int and msg[1] in self.nodes:
             node = self.nodes[msg[1]]  # its agent saw calls go missing (a reset connection)
-            if self.path.resend(node.node_id, msg[2]):
-                log.warning("node %d (%s) missed calls %s to %s: sent again", node.node_rank, node.host,
-                            brief(msg[2]), brief(msg[3]))
-            else:
+            sent = self.path.resend(node.node_id, msg[2])
+            if sent is None:
                 self.failure.fail(NodeLostError(node.node_rank, node.host,
                                                 f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
+            else:  # (those its full queue had no room for go when it asks again)
+                log.warning("node %d (%s) missed calls %s to %s: %d sent again", node.node_rank,
+                            node.host, brief(msg[2]), brief(msg[3]), sent)
         elif kind == "refused" and len(msg) == 3:
             self._on_refused(msg[1], msg[2])
         elif kind == "status" and len(msg) == 2:
