@@ -491,6 +491,24 @@ def test_a_hung_follower_worker_times_the_call_out_within_its_limit():
         end_process(proc)
 
 
+def test_a_remote_rank_that_raised_fails_the_call_while_the_local_rank_still_waits(tmp_path):
+    """Rank 1, on a follower, raises while rank 0 waits 5 s: the call fails with
+    rank 1's error at once, and the next call gets its own replies. Sabotage: no
+    ``_settle_on_an_error`` call in ``Executor._on_wait_slice`` -> the error comes
+    after rank 0 made its mark."""
+    port, mark = free_port_pair(), tmp_path / "done"
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            with pytest.raises(zbus.RemoteError, match="rank 1 failed"):
+                ex.collective_rpc("boom_on", args=(1, str(mark), 5.0), timeout=30)
+            assert not os.path.exists(f"{mark}.0")
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
 def test_a_caller_reading_its_replies_keeps_heartbeats_and_control_messages_served():
     """A 4 s call waits on rank 1 alone (twice the 2 s liveness limit), so its caller
     reads the leader's socket itself; once the call is sent, 20 000 status requests

@@ -1226,6 +1226,37 @@ def test_torch_distributed_all_reduce_across_workers():
         ex.collective_rpc("close", timeout=30)
 
 
+@pytest.mark.parametrize("non_block", [False, True], ids=["blocking", "non_block"])
+def test_a_rank_that_raised_fails_the_call_while_an_earlier_rank_still_waits(tmp_path, non_block):
+    """Rank 1 raises while rank 0 waits for it (5 s here; in a collective of its
+    own, for ever): the call fails with rank 1's error at once, not when rank 0 is
+    done, and rank 0's late reply is taken and dropped: the next call gets its own
+    replies. Sabotage: no ``_settle_on_an_error`` call in ``_on_wait_slice`` ->
+    the error comes after rank 0 made its mark."""
+    mark = tmp_path / "done"
+    with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
+        with pytest.raises(zbus.RemoteError, match="rank 1 failed") as info:
+            out = ex.collective_rpc("boom_on", args=(1, str(mark), 5.0), timeout=30, non_block=non_block)
+            if non_block:
+                out.result(30)
+        assert info.value.rank == 1 and not os.path.exists(f"{mark}.0")
+        assert ex.collective_rpc("rank_value", args=(3,), timeout=30) == [30, 31]
+        assert os.path.exists(f"{mark}.0")
+
+
+def test_a_rank_that_raised_before_a_torch_collective_fails_the_call_and_the_others_end():
+    """Rank 1 raises before an all-reduce that rank 0 entered (as a worker that
+    fails in vLLM's ``init_device`` leaves the others in torch's rendezvous): the
+    call fails with rank 1's error, and the shutdown ends rank 0, stuck in gloo.
+    Sabotage: as above -> TimeoutError after 20 s."""
+    pytest.importorskip("torch")
+    with zbus.Executor(workers.DistWorker, nproc_per_node=2, startup_timeout=120) as ex:
+        with pytest.raises(zbus.RemoteError, match="rank 1 failed before the all-reduce"):
+            ex.collective_rpc("all_reduce_unless", args=(1, 3), timeout=20)
+        procs = list(ex._workers.procs)
+    assert all(p.poll() is not None for p in procs)
+
+
 def test_many_small_non_blocking_calls_do_not_deadlock_on_full_queues():
     with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
         futs = [ex.collective_rpc("rank_value", args=(i,), non_block=True, timeout=30)

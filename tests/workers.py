@@ -81,6 +81,16 @@ class EchoWorker(zbus.Worker):
         time.sleep(seconds)
         return self.rank
 
+    def boom_on(self, rank, path, seconds):
+        """Raise on ``rank``; the others wait ``seconds`` (as for the failed rank in a
+        collective of their own), then make ``path.<rank>``."""
+        if self.rank == rank:
+            raise ValueError(f"rank {rank} failed")
+        time.sleep(seconds)
+        with open(f"{path}.{self.rank}", "w"):
+            pass
+        return self.rank
+
     def mark_at_exit(self, path):
         """Make ``path.<rank>`` when this process runs its ``atexit`` hooks."""
         atexit.register(lambda: open(f"{path}.{self.rank}", "w").close())
@@ -243,6 +253,13 @@ class DistWorker(zbus.Worker):
         t = torch.tensor([float(value)])
         dist.all_reduce(t)
         return t.item()
+
+    def all_reduce_unless(self, rank, value):
+        """All-reduce on every rank but ``rank``, which raises: the others wait for it
+        in gloo (30 minutes by default)."""
+        if self.rank == rank:
+            raise ValueError(f"rank {rank} failed before the all-reduce")
+        return self.all_reduce(value)
 
     def close(self):
         import torch.distributed as dist

@@ -83,21 +83,31 @@ class Call:
 
     def finish(self) -> None:
         """All replies are in: the result (rank order) or the first error."""
-        values = []
+        error = self.first_error()
+        if error is not None:
+            return self.settle(False, error)
+        values = [self.replies[rank][1] for rank in self.reply_ranks]
+        self.settle(True, values[0] if self.unique else values)
+
+    def first_error(self) -> Exception | None:
+        """The error of the first rank, in rank order, whose reply is in and is no
+        result; None if there is none."""
         for rank in self.reply_ranks:
+            if rank not in self.replies:
+                continue
             status, value = self.replies[rank]
             if type(status) is not int:  # compared below: an array's == has no truth value
                 status = None
             if status == protocol.OK:
-                values.append(value)
-            elif status == protocol.REFUSED:
-                return self.settle(False, ZbusError(f"rank {rank}: {getattr(value, 'message', value)}"))
-            elif status == protocol.RAISED and type(value) is codec.ExceptionInfo:
-                return self.settle(False, RemoteError(rank, value.type_name, value.message, value.traceback))
-            else:  # only a peer that is not a zbus worker sends this (the leader's port is open)
-                return self.settle(False, ZbusError(f"rank {rank}: a malformed reply (status "
-                                                    f"{brief(status)}, a {type(value).__name__})"))
-        self.settle(True, values[0] if self.unique else values)
+                continue
+            if status == protocol.REFUSED:
+                return ZbusError(f"rank {rank}: {getattr(value, 'message', value)}")
+            if status == protocol.RAISED and type(value) is codec.ExceptionInfo:
+                return RemoteError(rank, value.type_name, value.message, value.traceback)
+            # only a peer that is not a zbus worker sends this (the leader's port is open)
+            return ZbusError(f"rank {rank}: a malformed reply (status {brief(status)}, "
+                             f"a {type(value).__name__})")
+        return None
 
     def settle(self, ok: bool, value: Any, complete: bool = True) -> None:
         """Set the outcome unless it is set (a reply and a failure may race), and
@@ -612,8 +622,6 @@ class Completer:
                 continue
             try:
                 self._read_heads()
-            except TimeoutError:
-                ex._expire_due()
             except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
                 if not isinstance(e, ExecutorFailedError):
                     e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
@@ -630,7 +638,11 @@ class Completer:
         ex = self._executor
         while self._undone > 0 and not self._stopped and ex._pending and not self._callers:
             head = ex._pending[0]
-            ex._complete_head(time.monotonic() + self.SLICE_S)
+            try:
+                ex._complete_head(time.monotonic() + self.SLICE_S)
+            except TimeoutError:
+                ex._on_wait_slice()
+                return
             if head.future is not None:
                 return
 
@@ -929,7 +941,7 @@ class MultiprocExecutor(Executor):
                 try:  # in slices: the non-blocking calls queued meanwhile expire on time
                     self._complete_head(_sooner(deadline, time.monotonic() + Completer.SLICE_S))
                 except TimeoutError:
-                    self._expire_due()
+                    self._on_wait_slice()
                     if deadline is not None and time.monotonic() >= deadline:
                         raise
                 if self._completions and not call.done():  # earlier calls': not after this one
@@ -939,6 +951,29 @@ class MultiprocExecutor(Executor):
             self._run_completions()
         if not call.done():  # no longer pending, never settled: only a shutdown does that
             raise self.failure.error or ZbusError("executor is shut down")
+
+    def _on_wait_slice(self) -> None:
+        """A slice of a wait for the head call's replies ended (the recv lock held)."""
+        self._expire_due()
+        self._settle_on_an_error()
+
+    def _settle_on_an_error(self) -> None:
+        """Settle the head call with a rank's error as soon as it is in, while an
+        earlier rank is still at work: that one may wait for the failed rank for
+        good (in a torch collective, say). The late replies are taken and dropped,
+        as after a timeout."""
+        head = self._pending[0] if self._pending else None
+        if head is None or head.done():
+            return
+        for rank in head.reply_ranks:
+            if rank not in head.replies and self._receivers[rank].poll(head.seq):
+                try:  # the data is there: a short deadline only guards a torn read
+                    self._accept(head, rank, self._read_reply(head, rank, time.monotonic() + 0.05))
+                except TimeoutError:
+                    break
+        error = head.first_error()
+        if error is not None:
+            head.settle(False, error, complete=False)  # (the completions run once the lock is let go)
 
     def _expire_due(self) -> None:
         """Fail the futures of non-blocking calls whose deadline has passed."""
@@ -950,19 +985,20 @@ class MultiprocExecutor(Executor):
     def _complete_head(self, deadline: float | None) -> None:
         head = self._pending[0]
         for rank in head.reply_ranks:
-            if rank in head.replies:
-                continue
-            try:
-                reply = self._receivers[rank].get(remaining(deadline, "collective_rpc"), want=head.seq)
-            except RingClosed:
-                raise self._replies_ended(rank, deadline) from None
-            except CodecError as e:  # consumed but not decodable here: the caller gets why
-                reply = [rank, head.seq, protocol.RAISED,
-                         codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]
-            self._accept(head, rank, reply)
+            if rank not in head.replies:
+                self._accept(head, rank, self._read_reply(head, rank, deadline))
         self._pending.popleft()
         self._answered = head.seq
-        head.finish()  # (unless failed meanwhile by the monitor)
+        head.finish()  # (unless settled already: by the monitor, or by an early error)
+
+    def _read_reply(self, head: Call, rank: int, deadline: float | None) -> Any:
+        try:
+            return self._receivers[rank].get(remaining(deadline, "collective_rpc"), want=head.seq)
+        except RingClosed:
+            raise self._replies_ended(rank, deadline) from None
+        except CodecError as e:  # consumed but not decodable here: the caller gets why
+            return [rank, head.seq, protocol.RAISED,
+                    codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]
 
     def _replies_ended(self, rank: int, deadline: float | None) -> Exception:
         """Why the replies of ``rank`` ended: the failure, or a shutdown. Else its worker
