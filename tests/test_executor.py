@@ -992,7 +992,8 @@ def test_shutdown_is_bounded_when_a_worker_outlives_sigkill(monkeypatch):
         ex.collective_rpc("stubborn_sleep", args=(60,), non_block=True)
         time.sleep(0.5)  # inside the call, SIGTERM ignored
         monkeypatch.setattr(processes, "KILL_WAIT_S", 2.0)
-        monkeypatch.setattr(subprocess.Popen, "kill", lambda self: None)
+        monkeypatch.setattr(subprocess.Popen, "kill", lambda self: None)  # SIGKILLs that end nothing
+        monkeypatch.setattr(os, "killpg", lambda pgid, sig: None)
         kill, kill_took = processes.LocalWorkers.kill, []
 
         def timed_kill(workers):
@@ -1176,6 +1177,60 @@ def test_orphaned_workers_run_on_exit_before_atexit_hooks_that_hang(tmp_path):
         assert all(os.path.exists(f"{mark}.{r}") for r in (0, 1))
     finally:
         end_process(proc)
+
+
+def test_an_orphaned_worker_whose_on_exit_clean_up_hangs_still_ends(tmp_path):
+    """A clean-up named by ``zbus.worker.on_exit`` hangs (60 s) when the driver is
+    SIGKILLed: the orphaned workers end within ``kill_driver``'s 10 s all the same,
+    their ``atexit`` hooks run. Sabotage: the orphan watcher runs the clean-ups on
+    its own thread, unbounded (as before) -> the workers live on for 60 s."""
+    mark = str(tmp_path / "exit")
+    proc, workers = driver_of_two_workers(
+        "ex.collective_rpc('mark_at_exit', args=(sys.argv[1],))\n"
+        "ex.collective_rpc('hang_in_on_exit', args=(60,))", "time.sleep(60)", mark)
+    try:
+        kill_driver(proc, workers)
+        assert all(os.path.exists(f"{mark}.{r}") for r in (0, 1))
+    finally:
+        end_process(proc, 0)
+        for p in workers:
+            if running(p):
+                p.kill()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "driver_killed"])
+def test_a_process_a_worker_started_ends_with_the_worker(tmp_path, how):
+    """A worker's method starts a process that outlives the call (as a library's
+    compile helper or server): it ends with the worker, at a shutdown or when the
+    driver is SIGKILLed. Each worker leads a process group of its own, which its
+    executor, or the orphaned worker itself, SIGKILLs at its end. Sabotage: no
+    ``start_new_session`` in ``LocalWorkers`` -> both processes run on (60 s)."""
+    mark = str(tmp_path / "child")
+    proc, workers = driver_of_two_workers("ex.collective_rpc('start_a_process', args=(sys.argv[1],))",
+                                          "ex.shutdown()\ntime.sleep(60)" if how == "shutdown"
+                                          else "time.sleep(60)", mark)
+    started = []
+    try:
+        for r in (0, 1):
+            with open(f"{mark}.{r}") as f:
+                started.append(psutil.Process(int(f.read())))
+        if how == "shutdown":
+            assert psutil.wait_procs(workers, timeout=30)[1] == []
+        else:
+            kill_driver(proc, workers)
+        wait_until(lambda: not any(running(p) for p in started), 10, "the started processes ended")
+    finally:
+        end_process(proc, 0)
+        for p in (*workers, *started):
+            if running(p):
+                p.kill()
+
+
+def running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_atexit_hooks_run_once_when_the_driver_dies_while_a_worker_ends(tmp_path):

@@ -102,6 +102,20 @@ class EchoWorker(zbus.Worker):
         if hang_at_exit:
             atexit.register(time.sleep, 60)
 
+    def start_a_process(self, path):
+        """Start a process that outlives this call (60 s), its pid in ``path.<rank>``
+        (a compile helper, a server a library starts)."""
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "60"])
+        with open(f"{path}.{self.rank}", "w") as f:
+            f.write(str(child.pid))
+
+    def hang_in_on_exit(self, seconds):
+        """A clean-up named by ``zbus.worker.on_exit`` that hangs (on a peer gone with
+        the driver)."""
+        zbus.worker.on_exit(lambda: time.sleep(seconds))
+
     def exit_in_on_exit(self, code):
         """A clean-up at exit interrupted as by SIGTERM's handler (SystemExit)."""
         def interrupted():

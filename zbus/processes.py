@@ -93,6 +93,25 @@ def _forget_death_pipes() -> None:
 os.register_at_fork(after_in_child=_forget_death_pipes)
 
 
+def end_own_group() -> None:
+    """SIGKILL the other processes of the group this process leads (a worker: see
+    :class:`LocalWorkers`), as its executor would: an orphaned worker ends them
+    itself. Found in /proc (``killpg`` would end this process first)."""
+    me = os.getpid()
+    if os.getpgrp() != me:
+        return
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the name: state, ppid, pgrp
+            if int(fields[2]) == me:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            pass
+
+
 class LocalWorkers:
     """Worker processes of one node: started as fresh interpreters (no fork),
     watched through pidfds, ended by pid. ``on_death(local_rank, exitcode)`` runs
@@ -118,9 +137,10 @@ class LocalWorkers:
                 info = dict(place, bcast=bcast, resp=resp, death_fd=death_r, segments=segments)
                 env = worker_env(place, master_addr, master_port, extra_env)
                 env["ZBUS_WORKER"] = json.dumps(info)
+                # each leads a process group of its own: see _end_groups
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-c", "from zbus.worker import main; main()"], env=env,
-                    pass_fds=(death_r,), stdin=subprocess.DEVNULL))
+                    pass_fds=(death_r,), stdin=subprocess.DEVNULL, start_new_session=True))
                 # here, not in the watcher: a kernel or seccomp profile without pidfds
                 # fails the start, instead of a watcher that dies and reports no death
                 pidfds.append(os.pidfd_open(self.procs[-1].pid))
@@ -182,6 +202,7 @@ class LocalWorkers:
                     p.send_signal(signal.SIGTERM)
             if not self.wait(term_s):
                 self.kill()
+        self._end_groups()
         self.close()
         shm.unlink_prefixed(self._shm_prefix)
 
@@ -197,7 +218,20 @@ class LocalWorkers:
             except subprocess.TimeoutExpired:
                 log.error("worker pid %d did not end %.0f s after SIGKILL: left to the system",
                           p.pid, KILL_WAIT_S)
+        self._end_groups()
         shm.unlink_prefixed(self._shm_prefix)
+
+    def _end_groups(self) -> None:
+        """SIGKILL what is left in the workers' process groups, once the workers
+        ended: processes their methods started (a compile helper, a library's
+        server) would run on, holding memory or a GPU. (Ctrl-C in a terminal
+        reaches the driver alone, which stops them.) A process that made a session
+        of its own is not found here."""
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:  # none left (ESRCH)
+                pass
 
     def close(self) -> None:
         with self._close_lock:  # the first caller closes, the others return at once:

@@ -27,6 +27,7 @@ from .cluster import brief
 from .config import MAX_POLL_S
 from .errors import CodecError, RingClosed, ZbusError
 from .logs import setup_logging
+from .processes import end_own_group
 
 log = logging.getLogger(__name__)
 
@@ -323,15 +324,22 @@ def _watch_death_pipe(fd: int, segments: list[str]) -> None:
         pass
     for name in segments:
         shm.unlink(name)
-    _run_on_exit(timeout=ORPHAN_EXIT_S)
+    _for_a_while(lambda: _run_on_exit(timeout=ORPHAN_EXIT_S), "zbus-on-exit")
     log.error("parent process (driver or node agent) is gone: exiting")
     if _ending.acquire(blocking=False):
-        hooks = threading.Thread(target=atexit._run_exitfuncs, name="zbus-atexit", daemon=True)
-        hooks.start()
-        hooks.join(ORPHAN_EXIT_S)
+        _for_a_while(atexit._run_exitfuncs, "zbus-atexit")
     else:  # the main thread is ending, running the hooks: as long as an orphan's
         time.sleep(ORPHAN_EXIT_S)
+    end_own_group()
     os._exit(3)
+
+
+def _for_a_while(clean_up: Callable[[], object], name: str) -> None:
+    """Run an orphan's ``clean_up`` on a thread of its own, for :data:`ORPHAN_EXIT_S`
+    at most: it may wait on a peer gone with the driver."""
+    thread = threading.Thread(target=clean_up, name=name, daemon=True)
+    thread.start()
+    thread.join(ORPHAN_EXIT_S)
 
 
 def main() -> None:
