@@ -846,15 +846,15 @@ def heartbeats_heard(sub: zmq.Socket, seconds: float) -> int:
 def test_calls_sent_again_to_a_node_whose_queue_is_full_wait_for_its_next_ask(caplog):
     """Node 1 lost calls 1 to 3 (a reset connection) and asks for them again while
     its queue at the leader is full (its new connection not yet read): the leader
-    sends what fits and the node asks again for the rest, as it does every 0.5 s
-    until its own limit. The leader gave the node up ("missed calls") when the
-    calls found no room within 1 s, as if they were no longer kept, and waited
-    that second on its I/O thread. A gap across calls no longer kept still fails
+    sends what fits within 20 ms and the node asks again for the rest, as it does
+    every 0.5 s until its own limit. The leader gave the node up ("missed calls")
+    when the calls found no room within 1 s, as if they were no longer kept, and
+    waited that second on its I/O thread. A gap across calls no longer kept still fails
     the node. Sabotage: return None in ``DataPath.resend`` when a send times out
     -> NodeLostError at the first ask."""
     from zbus.membership import NodeInfo
 
-    caplog.set_level("WARNING", logger="zbus.membership")
+    caplog.set_level("DEBUG", logger="zbus.membership")
     topic = node_topic("n1")
     with formed_leader_and_a_peer_that_reads_nothing(topic, rcvbuf=4096) as (lead, _, push, node):
         lead.nodes[1] = NodeInfo(1, "n1", "n1.test", "127.0.0.1", 1, 1, time.monotonic())
@@ -890,7 +890,9 @@ def test_calls_sent_again_to_a_node_whose_queue_is_full_wait_for_its_next_ask(ca
         wait_until(full_queue_answered, 10, "an ask answered while the queue is full")
         assert lead.failure.error is None, lead.failure.error
         wait_until(calls_arrived, 10, "the calls sent again")
-        assert calls[:3] == [b"call 1", b"call 2", b"call 3"] and lead.failure.error is None
+        # (an ask may come while the first calls sent again are still queued)
+        assert list(dict.fromkeys(calls)) == [b"call 1", b"call 2", b"call 3"]
+        assert lead.failure.error is None
         push.send_multipart(codec.encode(["gap", 1, 0, 4]))  # call 0 was never kept
         wait_until(lambda: lead.failure.error is not None, 10, "the node failed")
         assert "missed calls 0 to 4" in str(lead.failure.error)

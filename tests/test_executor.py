@@ -979,9 +979,8 @@ def test_shutdown_is_bounded_when_a_worker_outlives_sigkill(monkeypatch):
     uninterruptible sleep in a hung device driver; here its SIGKILL is not sent):
     shutdown still returns, after the grace, SIGTERM and KILL_WAIT_S for all the
     workers together (a hung driver hangs them all), and says so.
-    Sabotage: ``p.wait()`` without a timeout in ``LocalWorkers.kill`` → shutdown
-    never returns; KILL_WAIT_S for each worker in turn → 3 x 2 s, too slow."""
-    import subprocess
+    Sabotage: no bound on the wait in ``LocalWorkers.kill`` (``while self.alive():
+    time.sleep(0.01)``) → shutdown never returns."""
     import threading
 
     from zbus import processes
@@ -992,8 +991,9 @@ def test_shutdown_is_bounded_when_a_worker_outlives_sigkill(monkeypatch):
         ex.collective_rpc("stubborn_sleep", args=(60,), non_block=True)
         time.sleep(0.5)  # inside the call, SIGTERM ignored
         monkeypatch.setattr(processes, "KILL_WAIT_S", 2.0)
-        monkeypatch.setattr(subprocess.Popen, "kill", lambda self: None)  # SIGKILLs that end nothing
-        monkeypatch.setattr(os, "killpg", lambda pgid, sig: None)
+        signal_worker = processes.LocalWorkers._signal  # SIGKILLs that end nothing:
+        monkeypatch.setattr(processes.LocalWorkers, "_signal", lambda self, p, sig, group=False: None
+                            if sig == signal.SIGKILL else signal_worker(self, p, sig, group))
         kill, kill_took = processes.LocalWorkers.kill, []
 
         def timed_kill(workers):
@@ -1226,6 +1226,27 @@ def test_a_process_a_worker_started_ends_with_the_worker(tmp_path, how):
                 p.kill()
 
 
+def test_a_worker_reaped_long_ago_has_its_group_signalled_no_more(monkeypatch):
+    """Worker 0 dies and is reaped; the executor fails and stops worker 1. The
+    shutdown that comes later signals no group of worker 0: its pid is free by
+    then, and may lead another process's group. Sabotage: SIGKILL every
+    worker's group at the end of ``LocalWorkers.stop`` (as at first) -> worker 0's
+    pid signalled by the shutdown."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    try:
+        dead = ex._workers.procs[0].pid
+        with pytest.raises(zbus.WorkerDiedError):
+            ex.collective_rpc("die", args=(0,), timeout=30)
+        wait_until(lambda: ex._workers.procs[0].returncode is not None, 10, "worker 0 reaped")
+        signalled, killpg = [], os.killpg
+        monkeypatch.setattr(os, "killpg", lambda pgid, sig: (signalled.append(pgid), killpg(pgid, sig)))
+        ex.shutdown()
+        assert dead not in signalled, signalled
+    finally:
+        monkeypatch.undo()
+        ex.shutdown()
+
+
 def running(p: psutil.Process) -> bool:
     try:
         return p.status() != psutil.STATUS_ZOMBIE
@@ -1286,8 +1307,9 @@ def test_a_rank_that_raised_fails_the_call_while_an_earlier_rank_still_waits(tmp
     """Rank 1 raises while rank 0 waits for it (5 s here; in a collective of its
     own, for ever): the call fails with rank 1's error at once, not when rank 0 is
     done, and rank 0's late reply is taken and dropped: the next call gets its own
-    replies. Sabotage: no ``_settle_on_an_error`` call in ``_on_wait_slice`` ->
-    the error comes after rank 0 made its mark."""
+    replies. It counts as ``overdue`` meanwhile. Sabotage: no
+    ``_settle_on_an_error`` call in ``_on_wait_slice`` -> the error comes after
+    rank 0 made its mark; ``overdue`` by the timeout alone -> 0."""
     mark = tmp_path / "done"
     with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
         with pytest.raises(zbus.RemoteError, match="rank 1 failed") as info:
@@ -1295,8 +1317,9 @@ def test_a_rank_that_raised_fails_the_call_while_an_earlier_rank_still_waits(tmp
             if non_block:
                 out.result(30)
         assert info.value.rank == 1 and not os.path.exists(f"{mark}.0")
+        assert ex.overdue == 1  # given up on, its replies not all in: later ones queue behind it
         assert ex.collective_rpc("rank_value", args=(3,), timeout=30) == [30, 31]
-        assert os.path.exists(f"{mark}.0")
+        assert os.path.exists(f"{mark}.0") and ex.overdue == 0
 
 
 def test_a_rank_that_raised_before_a_torch_collective_fails_the_call_and_the_others_end():

@@ -53,7 +53,7 @@ MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more ar
 PULL_RCVHWM = 16
 MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
 RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
-RESEND_WAIT_S = 0.25  # a node's queue full this long: the rest waits for its next ask (every 0.5 s)
+RESEND_WAIT_S = 0.02  # a node's queue full this long: the rest waits for its next ask (every 0.5 s)
 
 
 _INT_TYPES = frozenset([*range(0x00, 0x80), *range(0xcc, 0xd4), *range(0xe0, 0x100)])

@@ -83,10 +83,12 @@ class Call:
 
     def finish(self) -> None:
         """All replies are in: the result (rank order) or the first error."""
-        error = self.first_error()
-        if error is not None:
-            return self.settle(False, error)
-        values = [self.replies[rank][1] for rank in self.reply_ranks]
+        values = []
+        for rank in self.reply_ranks:
+            status, value = self.replies[rank]
+            if type(status) is not int or status != protocol.OK:  # (an array's == has no truth value)
+                return self.settle(False, self.first_error())
+            values.append(value)
         self.settle(True, values[0] if self.unique else values)
 
     def first_error(self) -> Exception | None:
@@ -330,10 +332,12 @@ class Executor:
 
     @property
     def overdue(self) -> int:
-        """Calls past their timeout whose replies have not all come (a worker stuck
-        in one): the replies of any later call queue behind them."""
+        """Calls given up on (past their timeout, or failed by a rank's error) whose
+        replies have not all come (a worker stuck in one): the replies of any later
+        call queue behind them."""
         now = time.monotonic()
-        return sum(1 for c in list(getattr(self, "_pending", ())) if c.due is not None and c.due <= now)
+        return sum(1 for c in list(getattr(self, "_pending", ()))
+                   if c.done() or (c.due is not None and c.due <= now))
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once when the executor fails (at once if it has)."""
@@ -941,8 +945,8 @@ class MultiprocExecutor(Executor):
                 try:  # in slices: the non-blocking calls queued meanwhile expire on time
                     self._complete_head(_sooner(deadline, time.monotonic() + Completer.SLICE_S))
                 except TimeoutError:
-                    self._on_wait_slice()
-                    if deadline is not None and time.monotonic() >= deadline:
+                    self._on_wait_slice()  # (which may settle the call: then no TimeoutError)
+                    if not call.done() and deadline is not None and time.monotonic() >= deadline:
                         raise
                 if self._completions and not call.done():  # earlier calls': not after this one
                     self._completer.complete_soon()

@@ -380,8 +380,8 @@ class Membership:
                 self.failure.fail(NodeLostError(node.node_rank, node.host,
                                                 f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
             else:  # (those its full queue had no room for go when it asks again)
-                log.warning("node %d (%s) missed calls %s to %s: %d sent again", node.node_rank,
-                            node.host, brief(msg[2]), brief(msg[3]), sent)
+                log.log(logging.WARNING if sent else logging.DEBUG, "node %d (%s) missed calls %s to %s: "
+                        "%d sent again", node.node_rank, node.host, brief(msg[2]), brief(msg[3]), sent)
         elif kind == "refused" and len(msg) == 3:
             self._on_refused(msg[1], msg[2])
         elif kind == "status" and len(msg) == 2:

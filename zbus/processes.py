@@ -131,13 +131,14 @@ class LocalWorkers:
         self._shm_prefix = node_shm_prefix(master_port, places[0]["node_rank"])
         self._close_lock = threading.Lock()
         self._closing = False
+        self._reap_lock = threading.RLock()  # a worker is signalled, or reaped, under it
         pidfds: list[int] = []
         try:
             for place, resp in zip(places, responses):
                 info = dict(place, bcast=bcast, resp=resp, death_fd=death_r, segments=segments)
                 env = worker_env(place, master_addr, master_port, extra_env)
                 env["ZBUS_WORKER"] = json.dumps(info)
-                # each leads a process group of its own: see _end_groups
+                # each leads a process group of its own: see _reap
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-c", "from zbus.worker import main; main()"], env=env,
                     pass_fds=(death_r,), stdin=subprocess.DEVNULL, start_new_session=True))
@@ -172,7 +173,7 @@ class LocalWorkers:
                     i = fds.pop(fd)
                     poller.unregister(fd)
                     os.close(fd)
-                    code = self.procs[i].wait()
+                    code = self._reap(self.procs[i])
                     if not self.stopping:
                         self._on_death(i, code)
         finally:
@@ -180,16 +181,16 @@ class LocalWorkers:
                 os.close(fd)
 
     def alive(self) -> list[int]:
-        return [i for i, p in enumerate(self.procs) if p.poll() is None]
+        return [i for i, p in enumerate(self.procs) if self._reap(p) is None]
 
     def wait(self, timeout: float) -> bool:
-        """Wait for every worker to exit; whether they all did."""
+        """Wait for every worker to exit (reaped); whether they all did."""
         deadline = time.monotonic() + timeout
-        for p in self.procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while any(self._reap(p) is None for p in self.procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
+            time.sleep(min(0.01, left))
         return True
 
     def stop(self, grace: float = 5.0, term_s: float = 2.0) -> None:
@@ -198,40 +199,53 @@ class LocalWorkers:
         self.stopping = True
         if not self.wait(grace):
             for p in self.procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
+                self._signal(p, signal.SIGTERM)
             if not self.wait(term_s):
                 self.kill()
-        self._end_groups()
         self.close()
         shm.unlink_prefixed(self._shm_prefix)
 
     def kill(self) -> None:
         self.stopping = True
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        deadline = time.monotonic() + KILL_WAIT_S  # for them all: a hung driver hangs every worker
-        for p in self.procs:
-            try:  # a process in uninterruptible sleep (a hung device driver) outlives SIGKILL
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            self._signal(p, signal.SIGKILL, group=True)
+        # for them all: a hung driver hangs every worker (a process in uninterruptible
+        # sleep outlives SIGKILL)
+        if not self.wait(KILL_WAIT_S):
+            for i in self.alive():
                 log.error("worker pid %d did not end %.0f s after SIGKILL: left to the system",
-                          p.pid, KILL_WAIT_S)
-        self._end_groups()
+                          self.procs[i].pid, KILL_WAIT_S)
         shm.unlink_prefixed(self._shm_prefix)
 
-    def _end_groups(self) -> None:
-        """SIGKILL what is left in the workers' process groups, once the workers
-        ended: processes their methods started (a compile helper, a library's
-        server) would run on, holding memory or a GPU. (Ctrl-C in a terminal
-        reaches the driver alone, which stops them.) A process that made a session
-        of its own is not found here."""
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except OSError:  # none left (ESRCH)
-                pass
+    def _reap(self, p: subprocess.Popen) -> int | None:
+        """Worker ``p``'s exit code once it exited (None before), reaped here. First
+        SIGKILL what is left in its process group: processes its methods started (a
+        compile helper, a library's server) would run on, holding memory or a GPU.
+        (Until the worker is reaped, its pid, the group's id, cannot be another's.
+        A process that made a session of its own is not in the group.)"""
+        with self._reap_lock:
+            if p.returncode is None:
+                try:
+                    if os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+                        return None
+                except ChildProcessError:  # reaped by another wait of this process
+                    return p.wait()
+                self._signal(p, signal.SIGKILL, group=True)
+                p.wait()
+            return p.returncode
+
+    def _signal(self, p: subprocess.Popen, sig: int, group: bool = False) -> None:
+        """Send ``sig`` to worker ``p`` (``group``: to its process group) unless it
+        was reaped: then its pid may be another process's."""
+        with self._reap_lock:
+            if p.returncode is None:
+                try:
+                    if group:
+                        os.killpg(p.pid, sig)
+                    else:
+                        os.kill(p.pid, sig)
+                except OSError:  # gone (ESRCH)
+                    pass
 
     def close(self) -> None:
         with self._close_lock:  # the first caller closes, the others return at once:
