@@ -4,13 +4,14 @@ the same answers, the same refusals; and a ring whose ends run different cores."
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import threading
 import time
 
 import pytest
-from conftest import spawn_python
+from conftest import end_process, spawn_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ring import collect, start_readers
@@ -94,6 +95,54 @@ def test_a_header_that_does_not_lay_out_to_its_size_is_refused_by_both(header):
     for read in (core.read_message, ring._read_message_py):
         with pytest.raises(ValueError, match="corrupt message header"):
             read(buf, 0, 512)
+
+
+FLIP_HEADER = """
+import mmap, struct, sys, time
+with open(sys.argv[1], "r+b") as f:
+    words = memoryview(mmap.mmap(f.fileno(), 0))
+end = time.monotonic() + 20
+while time.monotonic() < end and words[4095] == 0:  # until the test says stop (or 20 s)
+    for _ in range(1000):
+        struct.pack_into("<Q", words, 16, 8)
+        struct.pack_into("<Q", words, 16, 40)
+"""
+
+
+@needs_core
+@pytest.mark.timeout(60)
+def test_a_header_changed_while_it_is_read_is_refused_or_read_whole(tmp_path):
+    """Both check the header on the copy the frames are cut from: another process
+    that flips a frame's length (40, laying out to the size; 8, not) while the
+    message is read gets either the whole frame or "corrupt message header",
+    never 8 bytes. Sabotage: the C check on the ring's bytes before the copy (as
+    it was) → 8-byte frames in one read in five to ten here."""
+    path = tmp_path / "ring"
+    path.write_bytes(bytes(4096))
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 0)
+    buf = memoryview(mapping)
+    total = ring._write_message_py(buf, 0, [b"x" * 40], 4000)
+    flipper = spawn_python(FLIP_HEADER, str(path))
+    try:
+        while flipper.is_running() and struct.unpack_from("<Q", buf, 16)[0] != 8:  # started flipping
+            time.sleep(0.001)
+        lengths: dict[int, int] = {}
+        for i in range(200_000):
+            try:
+                out = (ring._read_message_py if i % 10 == 9 else core.read_message)(buf, 0, total)
+            except ValueError:
+                lengths[-1] = lengths.get(-1, 0) + 1
+            else:
+                lengths[len(out[0])] = lengths.get(len(out[0]), 0) + 1
+        assert flipper.is_running()  # it flipped all along
+    finally:
+        buf[4095] = 1
+        end_process(flipper)
+        buf.release()
+        mapping.close()
+    print("frame lengths read (-1: refused):", lengths)
+    assert set(lengths) <= {40, -1} and lengths.get(-1) and lengths.get(40)
 
 
 @needs_core

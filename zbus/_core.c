@@ -230,19 +230,28 @@ static PyObject *core_read_message(PyObject *self, PyObject *const *args, Py_ssi
     if (check_range(&view, at, 16, 8) < 0)
         goto done;
     const char *base = (const char *)view.buf + at;
-    uint64_t total = load_u64(base), nframes = load_u64(base + 8);
+    uint64_t total = load_u64(base);
     if (total > (uint64_t)limit) {
         result = Py_NewRef(Py_None);
         goto done;
     }
     if (check_range(&view, at, (Py_ssize_t)total, 8) < 0)
         goto done;
-    /* The header must lay out to exactly `total` bytes, as the writer made it. */
-    uint64_t end = 16 + 8 * nframes;
+    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)total);
+    if (out == NULL)
+        goto done;
+    memcpy(PyByteArray_AS_STRING(out), base, (size_t)total);
+    /* The copy's header must lay out to exactly `total` bytes, as the writer made it
+       (checked on the copy: a writer that changed the ring meanwhile cannot slip by). */
+    const char *copy = PyByteArray_AS_STRING(out);
+    uint64_t nframes = 0;
+    if (total >= 16)
+        memcpy(&nframes, copy + 8, 8);
     int ok = total >= 16 && nframes <= (total - 16) / 8;
+    uint64_t end = 16 + 8 * (ok ? nframes : 0);
     for (uint64_t f = 0; ok && f < nframes; f++) {
         uint64_t n;
-        memcpy(&n, base + 16 + 8 * f, 8);
+        memcpy(&n, copy + 16 + 8 * f, 8);
         end = (end + ALIGN - 1) / ALIGN * ALIGN;
         ok = n <= total && end <= total - n;
         end += n;
@@ -251,11 +260,7 @@ static PyObject *core_read_message(PyObject *self, PyObject *const *args, Py_ssi
         PyErr_Format(PyExc_ValueError, "corrupt message header");
         goto done;
     }
-    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)total);
-    if (out == NULL)
-        goto done;
-    memcpy(PyByteArray_AS_STRING(out), base, (size_t)total);
-    result = frames_of(out, (const uint64_t *)(PyByteArray_AS_STRING(out) + 16), (Py_ssize_t)nframes);
+    result = frames_of(out, (const uint64_t *)(copy + 16), (Py_ssize_t)nframes);
 done:
     Py_XDECREF(out);
     PyBuffer_Release(&view);
