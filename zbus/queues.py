@@ -68,7 +68,7 @@ def bracket(host: str) -> str:
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str,
-                cancel: Any = None, lock: Any = None) -> None:
+                cancel: Any = None, lock: Any = None, on_queued: Callable[[], None] | None = None) -> None:
     """Send a multipart message, each frame copied once into ZeroMQ's own memory:
     the caller may change its buffers as soon as this returns, however long the
     message then waits for a slow peer.
@@ -82,15 +82,46 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
     threads: taken by ``deadline``, and let go between the waits of the first
     frame, while nothing of the message is queued, so that a full peer does not
     hold up another thread's sends (the heartbeats).
+
+    Once ZeroMQ took the first part, the message is finished even when an
+    exception (Ctrl-C, a signal handler's) cuts the loop short: the socket's next
+    message would be glued onto the part sent. A signal that arrives while a part
+    is copied raises as that send returns, so the part in hand counts as sent.
+    ``on_queued`` runs once the whole message is queued, before such an
+    exception goes on.
     """
     with _Turn(lock, deadline, what, cancel) as turn:
-        last = len(frames) - 1
-        for i, frame in enumerate(frames):
-            flags = zmq.SNDMORE if i < last else 0
-            try:
-                sock.send(frame, flags | zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                _send_waiting(sock, frame, flags, deadline, what, cancel, turn if i == 0 else None)
+        last, i, began = len(frames) - 1, 0, False
+        try:
+            for i, frame in enumerate(frames):
+                flags = zmq.SNDMORE if i < last else 0
+                began = True
+                try:
+                    sock.send(frame, flags | zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    began = i > 0
+                    _send_waiting(sock, frame, flags, deadline, what, cancel, turn if i == 0 else None)
+                    began = True
+        except BaseException as e:
+            if began and not isinstance(e, zmq.ZMQError):
+                _finish(sock, frames, i + 1, on_queued)
+            raise
+    if on_queued is not None:
+        on_queued()
+
+
+def _finish(sock: zmq.Socket, frames: Sequence[Any], start: int,
+            on_queued: Callable[[], None] | None) -> None:
+    """Send the rest of a message whose first part ZeroMQ took (it takes the rest
+    at once, whatever its high-water mark)."""
+    last = len(frames) - 1
+    try:
+        for i in range(start, last + 1):
+            sock.send(frames[i], (zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, copy=True)
+    except zmq.ZMQError:
+        return  # the socket is closing: it sends nothing more
+    if on_queued is not None:
+        on_queued()
 
 
 def sent_now(sock: zmq.Socket, frames: Sequence[Any], what: str) -> bool:
@@ -277,9 +308,7 @@ class Broadcaster:
                 raise SendTimeout(str(e), queued=False) from None
         if self.xpub is not None:
             send_frames(self.xpub, self.wire(topic, frames), deadline, "broadcast to remote nodes",
-                        cancel, lock)
-            if on_queued is not None:
-                on_queued()
+                        cancel, lock, on_queued)
         if ring is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
