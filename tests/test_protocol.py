@@ -7,6 +7,8 @@ itself, never with zbus's codec.
 
 from __future__ import annotations
 
+import tracemalloc
+
 import msgpack
 import pytest
 
@@ -42,7 +44,6 @@ def test_stop_and_calls_are_read_as_lists_of_str_and_int():
 @pytest.mark.parametrize("envelope", [
     [STOP, 1],                      # STOP takes no fields
     [CALL, 1, "m", 0, 1],           # five fields
-    [CALL, 1, "m", 0, 1, 0, 2],     # seven fields
     [3, 1, "m", 0, 1, 0],           # an unknown kind
     [STOP, 1, "m", 0, 1, 0],        # STOP's kind with a call's fields
     [CALL, True, "m", 0, 1, 0],     # seq a bool (msgpack's true, not an int)
@@ -53,7 +54,6 @@ def test_stop_and_calls_are_read_as_lists_of_str_and_int():
     [CALL, 1, "m", None, 1, 0],     # reply_rank None
     [CALL, 1, "m", 0, "1", 0],      # n_payload not an int
     [CALL, 1, "m", 0, [1], 0],      # n_payload a list
-    {"kind": CALL},                 # a map
     CALL,                           # a bare int
     "call",                         # a bare string
     None,
@@ -82,15 +82,16 @@ def test_a_long_refused_envelope_is_named_in_100_characters():
     assert len(str(e.value)) == len("not a call envelope: ") + 100
 
 
-@pytest.mark.parametrize("frame", [b"", b"\xc1", packed([STOP]) + b"\x00", b"\x95\x01", b"\xd9\x03ab"])
+@pytest.mark.parametrize("frame", [b"", b"\xc1", packed([STOP]) + b"\x00", b"\x95\x01", b"\xd9\x03ab",
+                                   packed([CALL, 1, "m", 0, 1, 0, 2]),  # seven fields: past msgpack's limit
+                                   packed({"kind": CALL})])  # a map: none is read
 def test_bytes_that_are_not_msgpack_are_refused_with_msgpacks_reason(frame):
     """Sabotage: ``envelope = None`` or ``msgpack.unpackb(None, ...)`` (every frame
     refused, or none parsed), ``CodecError(None)`` or ``type(None).__name__`` in the
     message → fails."""
     try:  # (with the limits read_envelope sets: no length past the frame's end)
         n = len(frame)
-        msgpack.unpackb(frame, max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2,
-                        max_ext_len=n)
+        msgpack.unpackb(frame, max_str_len=n, max_bin_len=0, max_array_len=6, max_map_len=0, max_ext_len=0)
     except Exception as err:  # noqa: BLE001 - what msgpack says about this frame
         expected = f"cannot decode the envelope: {type(err).__name__}: {err}"
     else:
@@ -147,13 +148,30 @@ def test_frames_cut_in_parts_come_back_byte_for_byte(sizes):
             assert b"".join(bytes(p) for p in got) == frame
 
 
+def test_an_envelope_that_declares_long_arrays_is_refused_without_allocating_them():
+    """Arrays nested a thousand deep, each declaring 65 535 items, in one 64 KiB
+    frame (what a leader, or anyone on an unkeyed link, may send every worker and
+    agent): refused within 1 MiB. Before: msgpack allocated each declared array
+    (up to the frame's length) before reading it, 78 MiB for the frame. Sabotage:
+    ``max_array_len=n`` again -> about 78 MiB."""
+    frame = (b"\xdc\xff\xff" * 1500).ljust(protocol.MAX_ENVELOPE, b"\x00")
+    tracemalloc.start()
+    try:
+        with pytest.raises(zbus.CodecError, match="cannot decode the envelope"):
+            read_envelope(frame)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, f"{peak / 2**20:.1f} MiB"
+
+
 UNDECODABLE, UNFIT = "cannot decode the part counts", "do not fit"
 
 
 @pytest.mark.parametrize("counts, nparts, why", [
     (b"\xc1", 2, UNDECODABLE),               # not msgpack
     (packed([1] * 5), 4, UNDECODABLE),       # more counts than parts: msgpack's limit, before any list
-    (packed({"a": 1}), 2, UNFIT),            # not a list
+    (packed({"a": 1}), 2, UNDECODABLE),      # not a list: no map, str, bytes or extension is read
     (packed([]), 0, UNFIT),                  # no frame
     (packed([1, 0, 2]), 3, UNFIT),           # a frame of no part (the sum fits)
     (packed([1, -1, 3]), 3, UNFIT),          # a negative count (the sum fits)

@@ -52,14 +52,15 @@ def call_envelope(seq: int, method: str, reply_rank: int, n_payload: int, answer
 def read_envelope(frame: Any) -> list:
     """``[STOP]`` or ``[CALL, seq, method, reply_rank, n_payload, answered]`` from a
     message's first frame; :class:`CodecError` for anything else. Bounded: at most
-    ``MAX_ENVELOPE`` bytes, and no declared length past the frame's end (msgpack
-    allocates a declared array before it reads the items)."""
+    ``MAX_ENVELOPE`` bytes, arrays of at most 6 items and no maps, bytes or
+    extensions (msgpack allocates a declared array before it reads the items: at
+    the frame's length each, arrays nested a thousand deep took 78 MiB)."""
     n = len(frame)
     try:
         if n > MAX_ENVELOPE:
             raise ValueError(f"{n} bytes, at most {MAX_ENVELOPE}")
-        envelope = msgpack.unpackb(frame, raw=False, use_list=True, max_str_len=n, max_bin_len=n,
-                                   max_array_len=n, max_map_len=n // 2, max_ext_len=n)
+        envelope = msgpack.unpackb(frame, raw=False, use_list=True, max_str_len=n, max_bin_len=0,
+                                   max_array_len=6, max_map_len=0, max_ext_len=0)
     except Exception as e:  # noqa: BLE001 - msgpack raises several types on bad input
         raise CodecError(f"cannot decode the envelope: {type(e).__name__}: {e}") from None
     if envelope != [STOP] and not (type(envelope) is list and len(envelope) == 6 and envelope[0] == CALL
@@ -107,7 +108,8 @@ def from_parts(counts_frame: Any, parts: list) -> list:
     """The frames again: a frame cut in parts as a tuple of them (a ring writes
     them back to back). :class:`CodecError` for counts that do not fit."""
     try:
-        counts = msgpack.unpackb(counts_frame, use_list=True, max_array_len=len(parts))
+        counts = msgpack.unpackb(counts_frame, use_list=True, max_array_len=len(parts), max_map_len=0,
+                                 max_str_len=0, max_bin_len=0, max_ext_len=0)
     except Exception as e:  # noqa: BLE001 - msgpack raises several types on bad input
         raise CodecError(f"cannot decode the part counts: {type(e).__name__}: {e}") from None
     if not (type(counts) is list and counts and all(type(n) is int and n > 0 for n in counts)
