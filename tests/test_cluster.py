@@ -560,6 +560,29 @@ def bare_leader(nnodes: int):
     return Leader(settings, lambda **kw: Broadcaster(0, **kw)), port
 
 
+def test_a_value_from_the_network_is_named_without_a_repr_of_its_bytes():
+    """Log lines and errors (a protocol error, a failed start) name what came with
+    ``brief``: 64 MiB of bytes in it cost a cut of 80, not a repr of 64 MiB (256
+    MiB of text, which reprlib made whole before cutting it). Sabotage: a plain
+    ``reprlib.Repr()`` -> 512 MiB at the peak (both reprs)."""
+    import tracemalloc
+
+    from zbus.cluster import brief
+
+    big = bytes(64 * 2**20)
+    mutable = bytearray(big)
+    tracemalloc.start()
+    try:
+        named = brief([1, 102, 0, big]), brief(mutable), brief(b"ab")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, f"{peak / 2**20:.1f} MiB"
+    assert named[0].startswith("[1, 102, 0, b'\\x00") and named[0].endswith(f"... ({len(big)} bytes)]")
+    assert named[1].startswith("bytearray(b'\\x00") and named[2] == "b'ab'"
+    assert max(len(n) for n in named) < 400
+
+
 def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
     """Crafted messages on the PULL port, and an error inside the loop itself (as a
     bug or a message that breaks a handler would raise), are logged and counted;

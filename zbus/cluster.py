@@ -65,7 +65,19 @@ def max_reply() -> int:
     return min(limit, codec.MAX_MESSAGE)
 
 
-_REPR = reprlib.Repr()
+class _Brief(reprlib.Repr):
+    """reprlib's short repr, with bytes cut before their repr is made (reprlib makes
+    the whole repr of a type it does not know, up to 4x its size, then cuts it)."""
+
+    def repr_bytes(self, x: bytes | bytearray, level: int) -> str:
+        if len(x) <= self.maxstring:
+            return repr(x)
+        return f"{repr(x[:self.maxstring])}... ({len(x)} bytes)"
+
+    repr_bytearray = repr_bytes
+
+
+_REPR = _Brief()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 
