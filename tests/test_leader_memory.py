@@ -229,6 +229,49 @@ def test_replies_a_rank_cannot_send_now_are_dropped_not_queued():
         end_process(proc)
 
 
+def test_replies_of_a_rank_a_call_did_not_ask_are_not_kept():
+    """Calls that ask rank 0 alone (``unique_reply_rank``, as vLLM asks its output
+    rank every step), each followed by a forged 1 MiB reply of remote rank 1 to
+    it: dropped and counted, none kept; an answer of rank 1 to a call still in
+    flight is kept only until that call is answered. Before, every one was kept
+    for good (rank 1 is never asked for them): 100 MiB after 100 calls. Sabotage:
+    ``expects`` without the ``answered <`` bound, or ``put`` without its pruning
+    -> replies kept."""
+    import zmq
+
+    from zbus import codec
+
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{port + 1}")
+    pad = b"x" * MiB
+    try:
+        with executor(port) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            receiver, before = ex._leader.path.receivers[1], ex._leader.dropped_by.get("unexpected-reply", 0)
+            for i in range(100):
+                assert ex.collective_rpc("rank_value", args=(i,), unique_reply_rank=0, timeout=30) == 10 * i
+                push.send_multipart(codec.encode([1, ex._seq, 0, pad]), copy=False)
+            wait_until(lambda: ex._leader.dropped_by.get("unexpected-reply", 0) - before >= 100, 20,
+                       "100 forged replies dropped")
+            assert not receiver._replies
+            future = ex.collective_rpc("sleep", args=(1.0,), unique_reply_rank=0, non_block=True)
+            push.send_multipart(codec.encode([1, ex._seq, 0, pad]), copy=False)  # in flight: kept
+            wait_until(lambda: ex._seq in receiver._replies, 30, "the in-flight reply kept")
+            future.result(30)
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+            assert not receiver._replies  # the in-flight one went when a later reply was kept
+            ex.check_health()
+        assert proc.wait(30) == 0
+    finally:
+        push.close()
+        ctx.term()
+        end_process(proc)
+
+
 def test_big_join_requests_are_dropped_while_the_cluster_forms():
     """While the leader waits for its follower, from node ids that never subscribe:
     300 joins of 1 MiB, each over MAX_CONTROL_MESSAGE (dropped before decoding),

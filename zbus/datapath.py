@@ -108,12 +108,14 @@ class RemoteReceiver:
     it (a reply that will never come) instead of waiting for ever."""
 
     def __init__(self, rank: int, cond: threading.Condition, try_read: Callable[[float], bool],
-                 grace: float = 10.0, next_seq: Callable[[], int] | None = None):
+                 grace: float = 10.0, next_seq: Callable[[], int] | None = None,
+                 answered: Callable[[], int] | None = None):
         self.rank = rank
         self._cond = cond
         self._try_read = try_read  # reads the socket here; False if another thread reads it
         self._grace = grace
         self._next_seq = next_seq  # the highest call number a reply may answer now
+        self._answered = answered  # every call up to this number has all its replies
         self._replies: dict[int, Any] = {}  # call number: reply
         self._taken = protocol.READY - 1  # the last call number taken
         self._overtaken: float | None = None  # since when the wanted reply is overtaken
@@ -122,27 +124,41 @@ class RemoteReceiver:
 
     def expects(self, seq: Any) -> bool:  # called with the condition held
         """Whether a reply to call ``seq`` can be a real one, or a copy of one: READY,
-        or a call already sent. A copy is counted and not kept (:meth:`put`), so
-        what is kept is bounded by the calls in flight, whatever a peer sends."""
+        a call sent and not yet answered, or one whose reply this rank gave (a
+        copy). A copy is counted and not kept (:meth:`put`), nor is a reply to a
+        call answered without this rank (it was not asked), so what is kept is
+        bounded by the calls in flight, whatever a peer sends."""
         if type(seq) is not int:
             return False
-        return seq == protocol.READY or 0 < seq <= (
-            self._next_seq() if self._next_seq is not None else seq)
+        if seq == protocol.READY or 0 < seq <= self._taken:
+            return True
+        answered = self._answered() if self._answered is not None else 0
+        return answered < seq <= (self._next_seq() if self._next_seq is not None else seq)
 
     def put(self, reply: Any) -> None:  # called with the condition held
         seq = reply[1]
         if seq <= self._taken or seq in self._replies:
             self.again += 1
-        else:
-            self._replies[seq] = reply
+            return
+        self._drop_answered()
+        self._replies[seq] = reply
+
+    def _drop_answered(self) -> None:
+        """Drop the replies kept for calls answered since (without this rank: it was
+        not asked), which no one takes."""
+        if self._answered is not None and self._replies:
+            answered = self._answered()
+            for stale in [s for s in self._replies if 0 < s <= answered]:
+                del self._replies[stale]
 
     def _take(self, want: int | None) -> Any:
         """The reply for ``want`` (any: the earliest), or None (condition held)."""
         if want is not None and want in self._replies:
             seq = want
-        elif not self._replies:
-            return None
         else:
+            self._drop_answered()
+            if not self._replies:
+                return None
             seq = min(self._replies)
             if want is not None and seq > want:  # overtaken: sent again, or never
                 now = time.monotonic()
@@ -262,6 +278,7 @@ class DataPath:
         self.receivers: dict[int, RemoteReceiver] = {}
         self.calls = SentCalls()  # copies of the calls a node may lack
         self.calls_again = 0  # calls sent again to a node that lost them
+        self.answered = 0  # every call up to this number has all its replies (the executor's)
         self._caller_seen = 0.0  # when a caller last wanted the PULL socket
         self._control: collections.deque = collections.deque()  # read from PULL, for the I/O thread
         # bytes (codec.object_bytes) of the messages put in _control (by the reader) and
@@ -306,6 +323,9 @@ class DataPath:
     def sent_seq(self) -> int:
         """The last call number queued for the nodes."""
         return self.calls.last
+
+    def _answered_seq(self) -> int:
+        return self.answered
 
     def _next_seq(self) -> int:
         """The highest call number a reply may answer: those sent, and the one being
@@ -371,7 +391,7 @@ class DataPath:
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
             self.receivers[rank] = RemoteReceiver(rank, self.cond, self.try_read_replies, s.liveness_s,
-                                                  self._next_seq)
+                                                  self._next_seq, self._answered_seq)
 
     @property
     def replies_again(self) -> int:

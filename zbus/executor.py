@@ -802,7 +802,7 @@ class MultiprocExecutor(Executor):
         reply = self._receivers[rank].get(remaining(deadline, "worker start-up"))
         _, seq, status, value = reply
         if seq != protocol.READY or status != protocol.OK:
-            detail = getattr(value, "traceback", "") or repr(value)
+            detail = getattr(value, "traceback", "") or brief(value)
             raise StartupError(f"worker rank {rank} failed to start:\n{detail}")
 
     def _worker_died(self, local_rank: int, exitcode: int | None) -> None:
@@ -993,6 +993,8 @@ class MultiprocExecutor(Executor):
                 self._accept(head, rank, self._read_reply(head, rank, deadline))
         self._pending.popleft()
         self._answered = head.seq
+        if self._leader is not None:  # replies to it from ranks it did not ask are dropped
+            self._leader.path.answered = head.seq
         head.finish()  # (unless settled already: by the monitor, or by an early error)
 
     def _read_reply(self, head: Call, rank: int, deadline: float | None) -> Any:
@@ -1023,7 +1025,7 @@ class MultiprocExecutor(Executor):
     def _accept(self, head: Call, rank: int, reply: Any) -> None:
         if not (type(reply) is list and len(reply) == 4 and reply[0] == rank and reply[1] == head.seq):
             error = ExecutorFailedError(f"protocol error: expected the reply to call {head.seq} from "
-                                        f"rank {rank}, got {str(reply)[:200]}")
+                                        f"rank {rank}, got {brief(reply)}")
             self.failure.fail(error)
             raise error
         head.replies[rank] = (reply[2], reply[3])
