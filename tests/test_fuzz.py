@@ -546,9 +546,7 @@ def test_leader_memory_stays_bounded_under_many_small_objects(leader, frames, i)
     """1 MiB of empty maps (refused), and 1 MiB of -32s (decoded into 40 MiB of
     ints), among others, in each envelope.
     Sabotage: drop the two ``spent > budget`` tests from codec._walk (the leader's
-    peak grows 76 MiB), or have _undecodable_reply find the reply's head by
-    unpacking the whole header (``msgpack.unpackb(frames[0], ...)``, as it did):
-    what the codec refused is then built there (76 MiB)."""
+    peak grows 76 MiB, decoding the ``died`` report)."""
     leader.send(envelopes(frames, i))
 
 

@@ -45,6 +45,10 @@ for i in range(count):
         msg = codec.encode([1, 10**6 + i if i % 2 else 1, 0, pad])
     elif mode == "join":     # joins of nodes that never subscribe
         msg = codec.encode(["join", f"evil{i:06d}", {"host": "evil", "pad": pad}])
+    elif mode == "slowreply":  # rank 1's replies to calls never sent, a header slow to check
+        k = size // 3  # 1- and 2-byte ints in turn: each its own step of the codec's header walk
+        msg = [b"\x94\x01\xce" + (10**6 + i).to_bytes(4, "big") + b"\x00\xdd" + (2 * k).to_bytes(4, "big")
+               + b"\x00\xcc\x80" * k]
     elif mode == "joinmaps":  # small joins that decode into many dicts: `size` empty maps
         msg = codec.encode(["join", f"maps{i:06d}", {"host": "evil", "pad": [{}] * size}])
     try:
@@ -269,6 +273,33 @@ def test_replies_of_a_rank_a_call_did_not_ask_are_not_kept():
     finally:
         push.close()
         ctx.term()
+        end_process(proc)
+
+
+def test_a_reply_to_a_call_not_in_flight_is_dropped_before_it_is_decoded():
+    """Ten replies of rank 1 to calls never sent, each a 4 MiB header that takes the
+    codec over a second to check (1- and 2-byte ints in turn): dropped on their
+    rank and call number alone, while the leader (liveness 2 s) and its node go
+    on. A reply is decoded by the caller that takes it, never by the thread that
+    reads the socket for everyone. Before, that thread decoded each first: some
+    14 s without reading heartbeats or sending its own, and the node was lost.
+    Sabotage: decode in ``DataPath._recv_control`` again (``Undecoded`` replaced by
+    ``codec.decode(frames)[3]``) -> the executor fails (NodeLostError)."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with executor(port, liveness_s=2.0) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            before = ex._leader.dropped_by.get("unexpected-reply", 0)
+            sender = flood(port, "slowreply", 10, 4 * MiB)
+            assert sender.wait(60) == 0
+            wait_until(lambda: ex._leader.dropped_by.get("unexpected-reply", 0) - before >= 10, 60,
+                       "10 replies to calls never sent dropped")
+            time.sleep(2.5)  # a liveness period: a node whose heartbeats went unread is lost by now
+            ex.check_health()
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+        assert proc.wait(30) == 0
+    finally:
         end_process(proc)
 
 

@@ -56,41 +56,44 @@ RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the
 RESEND_WAIT_S = 0.02  # a node's queue full this long: the rest waits for its next ask (every 0.5 s)
 
 
-_INT_TYPES = frozenset([*range(0x00, 0x80), *range(0xcc, 0xd4), *range(0xe0, 0x100)])
+_INT_WIDTHS = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False),
+               0xd0: (1, True), 0xd1: (2, True), 0xd2: (4, True), 0xd3: (8, True)}  # msgpack's ints
 
 
 def _reply_head(frame: Any) -> list | None:
-    """``[rank, seq]`` if ``frame`` starts as a reply does (an array of 4, then two
-    ints), else None. Reads its first 24 bytes at most, builds nothing else."""
-    import msgpack
-
-    head = bytes(memoryview(frame)[:24])
-    unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(head)
-    try:
-        if unpacker.read_array_header() != 4:
-            return None
-        rank_seq = []
-        for _ in range(2):
-            if head[unpacker.tell()] not in _INT_TYPES:
+    """``[rank, seq, status]`` if ``frame`` starts as a reply does (msgpack's array
+    of 4, as msgpack writes it, then three ints), else None. Reads its first 28
+    bytes at most, builds nothing else: every reply passes here."""
+    head = bytes(frame[:28])
+    if not head or head[0] != 0x94:
+        return None
+    ints, pos = [], 1
+    for _ in range(3):
+        b = head[pos] if pos < len(head) else -1
+        if 0 <= b < 0x80 or b >= 0xe0:  # a fixint, positive or negative
+            ints.append(b if b < 0x80 else b - 0x100)
+            pos += 1
+        elif b in _INT_WIDTHS:
+            width, signed = _INT_WIDTHS[b]
+            if pos + 1 + width > len(head):
                 return None
-            rank_seq.append(unpacker.unpack())
-    except Exception:  # noqa: BLE001 - not even the envelope: plain garbage
-        return None
-    return rank_seq
+            ints.append(int.from_bytes(head[pos + 1:pos + 1 + width], "big", signed=signed))
+            pos += 1 + width
+        else:
+            return None
+    return ints
 
 
-def _undecodable_reply(frames: list, error: Exception) -> list | None:
-    """A worker's reply whose value cannot be decoded here (a type the driver
-    never registered, say) becomes an error reply for that call, so the caller
-    learns why instead of waiting; anything else is None (dropped). Only the
-    head is read: the rest is what the codec refused, maybe for what it would build."""
-    head = _reply_head(frames[0]) if frames else None
-    if head is None:
-        return None
-    info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {error}")
-    return [*head, protocol.RAISED, info]
+class Undecoded:
+    """A reply's frames, decoded by the caller that takes the reply: not by the
+    thread reading the socket, which files every rank's replies and the nodes'
+    heartbeats (a header may take seconds to check), nor before its rank and call
+    number are known to be expected."""
 
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list) -> None:
+        self.frames = frames
 
 
 class RemoteReceiver:
@@ -109,13 +112,14 @@ class RemoteReceiver:
 
     def __init__(self, rank: int, cond: threading.Condition, try_read: Callable[[float], bool],
                  grace: float = 10.0, next_seq: Callable[[], int] | None = None,
-                 answered: Callable[[], int] | None = None):
+                 answered: Callable[[], int] | None = None, max_reply: int | None = None):
         self.rank = rank
         self._cond = cond
         self._try_read = try_read  # reads the socket here; False if another thread reads it
         self._grace = grace
         self._next_seq = next_seq  # the highest call number a reply may answer now
         self._answered = answered  # every call up to this number has all its replies
+        self._max_reply = max_reply  # the bytes a reply's frames may hold (decoding refuses more)
         self._replies: dict[int, Any] = {}  # call number: reply
         self._taken = protocol.READY - 1  # the last call number taken
         self._overtaken: float | None = None  # since when the wanted reply is overtaken
@@ -183,7 +187,7 @@ class RemoteReceiver:
             with self._cond:
                 reply = self._take(want)
                 if reply is not None:
-                    return reply
+                    return self._decoded(reply)
                 if self._aborted:
                     raise RingClosed(f"replies of rank {self.rank} aborted")
             left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
@@ -191,6 +195,17 @@ class RemoteReceiver:
                 with self._cond:
                     if not self._ready(want) and not self._aborted:
                         self._cond.wait(left)
+
+    def _decoded(self, reply: list) -> list:
+        """The reply with its value decoded (by this caller, the lock let go); one
+        that cannot be is the error of its call."""
+        if type(reply[3]) is not Undecoded:
+            return reply
+        try:
+            return codec.decode(reply[3].frames, self._max_reply)  # (the list of 4 its head began)
+        except CodecError as e:  # (a type the driver never registered, say): the caller learns why
+            info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")
+            return [reply[0], reply[1], protocol.RAISED, info]
 
     def abort(self) -> None:
         """Wake the waiting caller, and every later one: they raise RingClosed. (Nothing
@@ -391,7 +406,7 @@ class DataPath:
         for local in range(s.nproc_per_node):
             rank = node_rank * s.nproc_per_node + local
             self.receivers[rank] = RemoteReceiver(rank, self.cond, self.try_read_replies, s.liveness_s,
-                                                  self._next_seq, self._answered_seq)
+                                                  self._next_seq, self._answered_seq, self.max_reply)
 
     @property
     def replies_again(self) -> int:
@@ -501,19 +516,21 @@ class DataPath:
         try:
             raw = self.pull.recv_multipart(copy=False)
             frames = [f.buffer for f in raw]
-            size = sum(f.nbytes for f in frames)
-            if size > MAX_CONTROL_MESSAGE and _reply_head(frames[0]) is None:
-                self.drop(f"a message of {size} bytes that is no reply (others are at most "
-                          f"{MAX_CONTROL_MESSAGE})", "too-big")
-                return None
-            msg = codec.decode(frames, self.max_reply)
-            if type(msg) is list and msg and type(msg[0]) is not int:  # not a reply: what it holds
-                self._msg_bytes = size + codec.object_bytes(frames[0])
+            head = _reply_head(frames[0])
+            if head is not None:  # a reply: checked below and when filed, decoded by who takes it
+                msg = [*head, Undecoded(frames)]
+            else:
+                size = sum(f.nbytes for f in frames)
+                if size > MAX_CONTROL_MESSAGE:
+                    self.drop(f"a message of {size} bytes that is no reply (others are at most "
+                              f"{MAX_CONTROL_MESSAGE})", "too-big")
+                    return None
+                msg = codec.decode(frames, self.max_reply)
+                if type(msg) is list and msg and type(msg[0]) is not int:  # not a reply: what it holds
+                    self._msg_bytes = size + codec.object_bytes(frames[0])
         except CodecError as e:
-            msg = _undecodable_reply(frames, e)  # (whose rank is checked against the key below)
-            if msg is None:
-                self.drop(f"a malformed message from the network: {e}", "undecodable")
-                return None
+            self.drop(f"a malformed message from the network: {e}", "undecodable")
+            return None
         except zmq.ZMQError as e:
             self.drop(f"a message that could not be read: {e}", "unreadable")
             return None
