@@ -1066,6 +1066,28 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory(killed):
         end_process(proc)
 
 
+def test_a_worker_stuck_writing_a_reply_no_one_reads_ends_at_a_shutdown(monkeypatch):
+    """A call that timed out, whose 1 MiB reply fills the worker's 256 KiB reply
+    ring: the worker waits to write the rest, not for STOP. The shutdown aborts the
+    reply rings before it waits for the workers, so the worker's write fails and it
+    ends (exit 0) at once. Before: it was SIGTERMed after the 5 s grace (exit 143).
+    Sabotage: the reply rings aborted after ``workers.stop`` (in ``_wake_callers``
+    only) -> 5 s, 143."""
+    monkeypatch.setenv("ZBUS_RING", "64Kx4")
+    ex = zbus.Executor(workers.EchoWorker, nproc_per_node=1)
+    try:
+        with pytest.raises(TimeoutError):
+            ex.collective_rpc("crc", args=(1, b"x" * 2**20, 0.5, True), timeout=0.2)
+        time.sleep(1.0)  # the worker is in its reply by now, the ring full
+        t0 = time.monotonic()
+        ex.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        ex.shutdown()
+    print(f"shutdown took {took:.2f} s")
+    assert ex._workers.procs[0].returncode == 0 and took < 3
+
+
 @pytest.mark.parametrize("cut", ["ctrl-c", "deadline"])
 def test_a_call_whose_send_ctrl_c_cut_short_is_forgotten(cut):
     """Ctrl-C, or the call's deadline, while a call waits to send (here: behind the

@@ -1111,6 +1111,8 @@ class MultiprocExecutor(Executor):
                 pass
         if self._leader is not None and self.failure.error is None:
             self._leader.say_bye()  # the nodes are done: none waits on our own workers' stop
+        for rx in self._receivers[:self.nproc_per_node]:  # no reply is read from now on: a worker
+            rx.abort()  # stuck writing one (its call timed out, its ring full) ends instead of waiting
         workers.stop(grace=5.0 if self.failure.error is None else 0.5)
 
     def _wake_callers(self) -> None:
