@@ -1066,6 +1066,28 @@ def test_driver_sigkill_ends_workers_and_frees_shared_memory(killed):
         end_process(proc)
 
 
+def test_the_rest_of_a_call_whose_send_timed_out_goes_out_without_another_call(monkeypatch, tmp_path):
+    """A 1 MiB call to a worker busy for 1.5 s, in a 256 KiB ring: its send times out
+    with the call begun (so it stays pending, to be answered), and the rest goes out
+    in the background once the worker reads: the worker runs it with no other call
+    made. Before, the rest waited for the driver's next send, however long: across
+    nodes, the remote ranks, which had the whole call, waited in any collective it
+    held. Sabotage: no ``flush_soon`` in ``_send_cut_short`` -> the mark never comes."""
+    monkeypatch.setenv("ZBUS_RING", "64Kx4")
+    ex = zbus.Executor(workers.EchoWorker, nproc_per_node=1)
+    try:
+        busy = ex.collective_rpc("sleep", args=(1.5,), non_block=True)
+        with pytest.raises(TimeoutError):
+            ex.collective_rpc("mark", args=(str(tmp_path / "m"), b"x" * 2**20), timeout=0.3)
+        assert len(ex._pending) == 2  # the call stays, to be answered
+        wait_until(lambda: (tmp_path / "m.0").exists(), 15, "the worker running the call")
+        busy.result(10)
+        assert ex.collective_rpc("rank_value", args=(3,), timeout=10) == [30]
+        ex.check_health()
+    finally:
+        ex.shutdown()
+
+
 def test_a_worker_stuck_writing_a_reply_no_one_reads_ends_at_a_shutdown(monkeypatch):
     """A call that timed out, whose 1 MiB reply fills the worker's 256 KiB reply
     ring: the worker waits to write the rest, not for STOP. The shutdown aborts the

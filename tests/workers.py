@@ -81,6 +81,12 @@ class EchoWorker(zbus.Worker):
         time.sleep(seconds)
         return self.rank
 
+    def mark(self, path, payload=b""):
+        """Make ``path.<rank>``; the payload's size."""
+        with open(f"{path}.{self.rank}", "w"):
+            pass
+        return len(payload)
+
     def boom_on(self, rank, path, seconds):
         """Raise on ``rank``; the others wait ``seconds`` (as for the failed rank in a
         collective of their own), then make ``path.<rank>``."""

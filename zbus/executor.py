@@ -554,6 +554,7 @@ class Completer:
         self._callers = 0  # callers waiting for the reply lock
         self._last_add = 0.0
         self._complete_asked = False
+        self._flush_asked = False
         self._stopped = False
         self._thread: threading.Thread | None = None
 
@@ -564,11 +565,23 @@ class Completer:
                 return
             self._undone += 1
             self._last_add = time.monotonic()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="zbus-completer", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            self._start()
         future.add_done_callback(self._done)
+
+    def flush_soon(self) -> None:
+        """Finish sending the rest of a call the ring began (its send timed out) from
+        this thread: its ranks, and the nodes' ranks that have it whole (maybe in a
+        collective with them), must not wait for the driver's next send."""
+        with self._cond:
+            if not self._stopped:
+                self._flush_asked = True
+                self._start()
+
+    def _start(self) -> None:  # the condition held
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zbus-completer", daemon=True)
+            self._thread.start()
+        self._cond.notify()
 
     def _done(self, _future: RpcFuture) -> None:
         with self._cond:
@@ -608,6 +621,9 @@ class Completer:
                 if self._complete_asked:
                     self._complete_asked = False
                     return "complete"
+                if self._flush_asked:
+                    self._flush_asked = False
+                    return "flush"
                 grace = self._last_add + self.GRACE_S - time.monotonic()
                 # (none pending: the undone futures wait for the thread completing them)
                 work = self._undone > 0 and not self._callers and bool(self._executor._pending)
@@ -622,6 +638,10 @@ class Completer:
             if step == "complete":
                 ex._run_completions()
                 continue
+            if step == "flush":
+                self._flush()
+                ex._run_completions()  # (of the calls completed while the ring was full)
+                continue
             if not ex._recv_lock.acquire(timeout=self.SLICE_S):
                 continue
             try:
@@ -634,6 +654,25 @@ class Completer:
             finally:
                 ex._recv_lock.release()
                 ex._run_completions()
+
+    def _flush(self) -> None:
+        """One slice of the rest of a message in the ring, with the send lock (a
+        caller's own send finishes it first, as well); asked again until it is out."""
+        ex = self._executor
+        ring = ex._bcast.ring if ex._bcast is not None else None
+        if ring is None or not ring.pending:
+            return
+        if not ex._send_lock.acquire(timeout=self.SLICE_S):
+            self.flush_soon()
+            return
+        try:
+            ring.flush(time.monotonic() + self.SLICE_S, ex.failure.cancel, ex._drain_ready)
+        except TimeoutError:
+            self.flush_soon()
+        except (RingClosed, Cancelled):
+            pass  # failed or shut down: nothing is sent any more
+        finally:
+            ex._send_lock.release()
 
     def _read_heads(self) -> None:
         """Complete the pending calls in order, holding the reply lock, until one
@@ -896,6 +935,8 @@ class MultiprocExecutor(Executor):
         still be delivered). One that only some got fails the executor: its ranks
         would not agree on the calls."""
         if all(got):
+            if self._bcast.ring is not None and self._bcast.ring.pending:
+                self._completer.flush_soon()
             return
         if not any(got):
             self._pending.pop()

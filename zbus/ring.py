@@ -326,6 +326,11 @@ class RingWriter(_Ring):
                 raise SendTimeout(str(e), queued=True) from None
             raise
 
+    @property
+    def pending(self) -> bool:
+        """Whether a message an earlier ``send`` began waits for :meth:`flush`."""
+        return self._pending is not None
+
     def flush(self, deadline: float | None = None, cancel: Any = None,
               on_full: Callable[[], None] | None = None) -> None:
         """Finish streaming a message that an earlier ``send`` left pending."""
