@@ -102,6 +102,30 @@ def test_follower_started_early_waits_and_one_that_joined_early_is_kept_alive():
                 end_process(p)
 
 
+def test_a_slow_on_join_holds_up_no_join_nor_heartbeat():
+    """``on_join`` runs without the lock the I/O thread admits nodes and files
+    replies under: told node 1 joined, it starts node 2 and takes 4 s (twice the
+    liveness limit), and node 2 is admitted meanwhile while node 1 keeps hearing
+    heartbeats. Before, it ran holding that lock: node 2's subscription stopped the
+    I/O thread, node 1 heard no heartbeat for 4 s and left ("leader lost"), and
+    start-up failed. Sabotage: call ``on_join`` inside ``with self.cond`` again."""
+    port = free_port_pair()
+    procs = [follower(port, "--node-rank", "1")]
+
+    def on_join(n, total):
+        if n == 2 and len(procs) == 1:
+            procs.append(follower(port, "--node-rank", "2"))
+            time.sleep(4.0)  # a slow callback (the behaviour under test), not a wait for something
+
+    try:
+        with leader(port, join_timeout=60, on_join=on_join) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
+        assert [p.wait(30) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            end_process(p)
+
+
 @pytest.mark.parametrize("fault,needle", [
     ("duplicate_rank", "already taken"),
     ("world_size", "every node needs 1"),

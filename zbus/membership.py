@@ -109,23 +109,27 @@ class Membership:
         deadline = time.monotonic() + timeout
         last_log = time.monotonic()
         seen = -1
-        with self.cond:
-            while len(self.nodes) < want:
-                if on_join is not None and len(self.nodes) != seen:
-                    seen = len(self.nodes)
-                    on_join(seen + 1, want + 1)
+        while True:
+            with self.cond:
+                if len(self.nodes) >= want:
+                    self.formed = True
+                    break
                 self.failure.raise_if_failed()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(1, self.settings.nnodes)) - set(self.nodes))
                     raise TimeoutError(f"{len(self.nodes)}/{want} follower nodes joined within "
                                        f"{timeout} s; missing node ranks: {missing}")
-                self.cond.wait(min(left, 1.0))
-                if time.monotonic() - last_log >= 2:
-                    last_log = time.monotonic()
-                    log.info("%d/%d nodes joined: %s", len(self.nodes) + 1, self.settings.nnodes,
-                             self.describe_nodes())
-            self.formed = True
+                if on_join is None or len(self.nodes) == seen:
+                    self.cond.wait(min(left, 1.0))
+                    if time.monotonic() - last_log >= 2:
+                        last_log = time.monotonic()
+                        log.info("%d/%d nodes joined: %s", len(self.nodes) + 1, self.settings.nnodes,
+                                 self.describe_nodes())
+                    continue
+                seen = len(self.nodes)
+            # (the lock let go: the I/O thread admits nodes and files replies under it)
+            on_join(seen + 1, want + 1)
         if on_join is not None:
             on_join(want + 1, want + 1)
         log.info("%d/%d nodes joined: %s", want + 1, want + 1, self.describe_nodes())
