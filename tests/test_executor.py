@@ -1088,6 +1088,25 @@ def test_the_rest_of_a_call_whose_send_timed_out_goes_out_without_another_call(m
         ex.shutdown()
 
 
+def test_a_future_fails_at_its_deadline_while_the_ring_waits_to_be_flushed(monkeypatch, tmp_path):
+    """A non-blocking call with a 1 s timeout to a worker that sleeps 4 s, then a
+    1 MiB call whose send times out in the full 256 KiB ring: the completer thread
+    takes turns flushing the ring and reading replies, so the first future fails
+    at its deadline with nobody asking it. Sabotage: flush before reading every
+    time (``_flushed_last`` never set) -> the future is done only when the worker
+    answers, 4 s in, with its result."""
+    monkeypatch.setenv("ZBUS_RING", "64Kx4")
+    ex = zbus.Executor(workers.EchoWorker, nproc_per_node=1)
+    try:
+        hung = ex.collective_rpc("sleep", args=(4.0,), non_block=True, timeout=1.0)
+        with pytest.raises(TimeoutError):
+            ex.collective_rpc("mark", args=(str(tmp_path / "m"), b"x" * 2**20), timeout=0.3)
+        wait_until(hung.done, 10, "the hung call's future failing at its deadline")
+        assert isinstance(hung.exception(0), TimeoutError)
+    finally:
+        ex.shutdown()
+
+
 def test_a_worker_stuck_writing_a_reply_no_one_reads_ends_at_a_shutdown(monkeypatch):
     """A call that timed out, whose 1 MiB reply fills the worker's 256 KiB reply
     ring: the worker waits to write the rest, not for STOP. The shutdown aborts the

@@ -45,9 +45,10 @@ for i in range(count):
         msg = codec.encode([1, 10**6 + i if i % 2 else 1, 0, pad])
     elif mode == "join":     # joins of nodes that never subscribe
         msg = codec.encode(["join", f"evil{i:06d}", {"host": "evil", "pad": pad}])
-    elif mode == "slowreply":  # rank 1's replies to calls never sent, a header slow to check
-        k = size // 3  # 1- and 2-byte ints in turn: each its own step of the codec's header walk
-        msg = [b"\x94\x01\xce" + (10**6 + i).to_bytes(4, "big") + b"\x00\xdd" + (2 * k).to_bytes(4, "big")
+    elif mode in ("slowreply", "slowanswer"):  # rank 1's replies, their header slow to check:
+        k = size // 3  # 1- and 2-byte ints in turn, each its own step of the codec's header walk
+        seq = 10**6 + i if mode == "slowreply" else int(sys.argv[5])  # to calls never sent, or to one
+        msg = [b"\x94\x01\xce" + seq.to_bytes(4, "big") + b"\x00\xdd" + (2 * k).to_bytes(4, "big")
                + b"\x00\xcc\x80" * k]
     elif mode == "joinmaps":  # small joins that decode into many dicts: `size` empty maps
         msg = codec.encode(["join", f"maps{i:06d}", {"host": "evil", "pad": [{}] * size}])
@@ -60,9 +61,10 @@ ctx.destroy(linger=5000)
 """
 
 
-def flood(port: int, mode: str, count: int, size: int) -> subprocess.Popen:
+def flood(port: int, mode: str, count: int, size: int, *more: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=TEST_PATH)
-    return subprocess.Popen([sys.executable, "-c", FLOODER, str(port), mode, str(count), str(size)], env=env)
+    return subprocess.Popen([sys.executable, "-c", FLOODER, str(port), mode, str(count), str(size), *more],
+                            env=env)
 
 
 class PeakRss:
@@ -238,9 +240,10 @@ def test_replies_of_a_rank_a_call_did_not_ask_are_not_kept():
     rank every step), each followed by a forged 1 MiB reply of remote rank 1 to
     it: dropped and counted, none kept; an answer of rank 1 to a call still in
     flight is kept only until that call is answered. Before, every one was kept
-    for good (rank 1 is never asked for them): 100 MiB after 100 calls. Sabotage:
-    ``expects`` without the ``answered <`` bound, or ``put`` without its pruning
-    -> replies kept."""
+    for good (rank 1 is never asked for them): 100 MiB after 100 calls, and the one
+    kept for the call in flight was read as the next call's reply. Sabotage:
+    ``expects`` without the ``answered <`` bound -> the 100 are kept (not dropped);
+    ``_drop_answered`` doing nothing -> that protocol error."""
     import zmq
 
     from zbus import codec
@@ -300,6 +303,68 @@ def test_a_reply_to_a_call_not_in_flight_is_dropped_before_it_is_decoded():
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
         assert proc.wait(30) == 0
     finally:
+        end_process(proc)
+
+
+def test_a_reply_slow_to_decode_holds_up_no_other_thread():
+    """A forged reply of rank 1 to the call in flight, an 8 MiB header that takes the
+    codec seconds to check: its caller decodes it holding no lock, so the I/O
+    thread goes on reading and sending heartbeats (liveness 1 s), and the cluster
+    serves on. Before, the caller decoded it holding the condition every reader
+    files replies and heartbeats under: the node was lost. Sabotage: decode
+    inside ``with self._cond`` in ``RemoteReceiver.get`` -> NodeLostError."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with executor(port, liveness_s=1.0) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            slow = ex.collective_rpc("sleep", args=(5.0,), non_block=True)  # the forged reply comes first
+            sender = flood(port, "slowanswer", 1, 8 * MiB, str(slow.seq))
+            assert sender.wait(60) == 0
+            t0 = time.monotonic()
+            assert len(slow.result(60)[1]) == 2 * (8 * MiB // 3)  # the forged value, decoded
+            print(f"decoded in {time.monotonic() - t0:.2f} s")
+            ex.check_health()
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
+def test_a_reply_over_the_largest_reply_is_not_kept_while_its_call_waits(monkeypatch):
+    """ZBUS_MAX_REPLY = 1 MiB: a forged reply of rank 1 to the call in flight, in
+    two 600 KiB frames (each within ZeroMQ's per-frame limit), becomes its call's
+    error as it arrives, its frames not kept, and the call fails naming the
+    setting. Sabotage: file every reply undecoded, whatever its size (``size <=
+    self.max_reply`` dropped in ``DataPath._recv_control``) -> its 1.2 MiB of
+    frames are kept until the call reads them, and the error names no setting."""
+    import zmq
+
+    from zbus import codec
+
+    monkeypatch.setenv("ZBUS_MAX_REPLY", str(MiB))
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{port + 1}")
+    try:
+        with executor(port) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            receiver = ex._leader.path.receivers[1]
+            slow = ex.collective_rpc("sleep", args=(3.0,), non_block=True)
+            frames = codec.encode([1, slow.seq, 0, (b"y" * (600 * 2**10), b"z" * (600 * 2**10))])
+            assert len(frames) == 3
+            push.send_multipart(frames, copy=True)
+            with pytest.raises(zbus.RemoteError, match="ZBUS_MAX_REPLY") as info:
+                slow.result(30)  # (at once: an error reply fails its call while rank 0 still sleeps)
+            assert "(on rank 1)" in str(info.value) and slow.seq not in receiver._replies
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+        assert proc.wait(30) == 0
+    finally:
+        push.close()
+        ctx.term()
         end_process(proc)
 
 

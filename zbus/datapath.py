@@ -64,7 +64,7 @@ def _reply_head(frame: Any) -> list | None:
     """``[rank, seq, status]`` if ``frame`` starts as a reply does (msgpack's array
     of 4, as msgpack writes it, then three ints), else None. Reads its first 28
     bytes at most, builds nothing else: every reply passes here."""
-    head = bytes(frame[:28])
+    head = bytes(memoryview(frame)[:28])
     if not head or head[0] != 0x94:
         return None
     ints, pos = [], 1
@@ -82,6 +82,13 @@ def _reply_head(frame: Any) -> list | None:
         else:
             return None
     return ints
+
+
+def _too_big(size: int, limit: int) -> codec.ExceptionInfo:
+    """What a reply over the largest the leader takes becomes (its frames are not
+    kept): its call fails naming the setting."""
+    return codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: a reply of {size} "
+                               f"bytes exceeds ZBUS_MAX_REPLY ({limit} bytes)")
 
 
 class Undecoded:
@@ -186,10 +193,10 @@ class RemoteReceiver:
         while True:
             with self._cond:
                 reply = self._take(want)
-                if reply is not None:
-                    return self._decoded(reply)
-                if self._aborted:
+                if reply is None and self._aborted:
                     raise RingClosed(f"replies of rank {self.rank} aborted")
+            if reply is not None:
+                return self._decoded(reply)  # (the condition let go: every reader files under it)
             left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
             if not self._try_read(left):  # another thread reads the socket: it files our reply
                 with self._cond:
@@ -197,8 +204,8 @@ class RemoteReceiver:
                         self._cond.wait(left)
 
     def _decoded(self, reply: list) -> list:
-        """The reply with its value decoded (by this caller, the lock let go); one
-        that cannot be is the error of its call."""
+        """The reply with its value decoded (by this caller, no lock held); one that
+        cannot be is the error of its call."""
         if type(reply[3]) is not Undecoded:
             return reply
         try:
@@ -517,10 +524,12 @@ class DataPath:
             raw = self.pull.recv_multipart(copy=False)
             frames = [f.buffer for f in raw]
             head = _reply_head(frames[0])
-            if head is not None:  # a reply: checked below and when filed, decoded by who takes it
+            size = sum(f.nbytes for f in frames)
+            if head is not None and size <= self.max_reply:  # a reply: checked, filed, decoded by its taker
                 msg = [*head, Undecoded(frames)]
+            elif head is not None:  # (its frames, each within the limit, are not kept)
+                msg = [head[0], head[1], protocol.RAISED, _too_big(size, self.max_reply)]
             else:
-                size = sum(f.nbytes for f in frames)
                 if size > MAX_CONTROL_MESSAGE:
                     self.drop(f"a message of {size} bytes that is no reply (others are at most "
                               f"{MAX_CONTROL_MESSAGE})", "too-big")

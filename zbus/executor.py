@@ -555,6 +555,7 @@ class Completer:
         self._last_add = 0.0
         self._complete_asked = False
         self._flush_asked = False
+        self._flushed_last = False  # flushing and reading replies take turns
         self._stopped = False
         self._thread: threading.Thread | None = None
 
@@ -615,19 +616,23 @@ class Completer:
             self._cond.notify()
 
     def _next(self) -> str | None:
-        """What to do next: "complete" futures, "read" replies, or None: stopped."""
+        """What to do next: "complete" futures, "flush" the ring, "read" replies (the
+        last two in turn: a ring that stays full must not keep futures from
+        failing at their deadline), or None: stopped."""
         with self._cond:
             while not self._stopped:
                 if self._complete_asked:
                     self._complete_asked = False
                     return "complete"
-                if self._flush_asked:
-                    self._flush_asked = False
-                    return "flush"
                 grace = self._last_add + self.GRACE_S - time.monotonic()
                 # (none pending: the undone futures wait for the thread completing them)
                 work = self._undone > 0 and not self._callers and bool(self._executor._pending)
-                if work and grace <= 0:
+                read = work and grace <= 0
+                if self._flush_asked and not (read and self._flushed_last):
+                    self._flush_asked, self._flushed_last = False, True
+                    return "flush"
+                if read:
+                    self._flushed_last = False
                     return "read"
                 self._cond.wait(grace if work else None)
             return None
@@ -638,22 +643,21 @@ class Completer:
             if step == "complete":
                 ex._run_completions()
                 continue
-            if step == "flush":
-                self._flush()
-                ex._run_completions()  # (of the calls completed while the ring was full)
-                continue
-            if not ex._recv_lock.acquire(timeout=self.SLICE_S):
-                continue
             try:
-                self._read_heads()
+                if step == "flush":
+                    self._flush()
+                elif ex._recv_lock.acquire(timeout=self.SLICE_S):
+                    try:
+                        self._read_heads()
+                    finally:
+                        ex._recv_lock.release()
             except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
                 if not isinstance(e, ExecutorFailedError):
                     e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
                 ex.failure.fail(e)
                 return  # every pending future now holds the error (see _on_failure)
             finally:
-                ex._recv_lock.release()
-                ex._run_completions()
+                ex._run_completions()  # (of the calls completed meanwhile, a full ring's too)
 
     def _flush(self) -> None:
         """One slice of the rest of a message in the ring, with the send lock (a

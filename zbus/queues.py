@@ -67,6 +67,9 @@ def bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+_send = zmq.backend.Socket.send  # (compiled, unlike zmq.Socket.send: see send_frames)
+
+
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str,
                 cancel: Any = None, lock: Any = None, on_queued: Callable[[], None] | None = None) -> None:
     """Send a multipart message, each frame copied once into ZeroMQ's own memory:
@@ -85,10 +88,12 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
 
     Once ZeroMQ took the first part, the message is finished even when an
     exception (Ctrl-C, a signal handler's) cuts the loop short: the socket's next
-    message would be glued onto the part sent. A signal that arrives while a part
-    is copied raises as that send returns, so the part in hand counts as sent.
-    ``on_queued`` runs once the whole message is queued, before such an
-    exception goes on.
+    message would be glued onto the part sent. Python runs a signal's handler as
+    a compiled call returns or at the loop's end, never between ``began`` and the
+    send (pyzmq's own ``send``, a Python function, would add its entry), so the
+    part in hand counts as sent, exactly. (The one window left: a handler run in
+    the few steps after a first part that had to wait was taken.) ``on_queued``
+    runs once the whole message is queued, before such an exception goes on.
     """
     with _Turn(lock, deadline, what, cancel) as turn:
         last, i, began = len(frames) - 1, 0, False
@@ -97,7 +102,7 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
                 flags = zmq.SNDMORE if i < last else 0
                 began = True
                 try:
-                    sock.send(frame, flags | zmq.NOBLOCK, copy=True)
+                    _send(sock, frame, flags | zmq.NOBLOCK, True)
                 except zmq.Again:
                     began = i > 0
                     _send_waiting(sock, frame, flags, deadline, what, cancel, turn if i == 0 else None)
@@ -117,7 +122,7 @@ def _finish(sock: zmq.Socket, frames: Sequence[Any], start: int,
     last = len(frames) - 1
     try:
         for i in range(start, last + 1):
-            sock.send(frames[i], (zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, copy=True)
+            _send(sock, frames[i], (zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, True)
     except zmq.ZMQError:
         return  # the socket is closing: it sends nothing more
     if on_queued is not None:
@@ -164,7 +169,7 @@ def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | No
                 raise SendTimeout(f"{what} timed out", queued=False)
             sock.setsockopt(zmq.SNDTIMEO, max(1, int(left * 1000)))
             try:
-                sock.send(frame, flags, copy=True)
+                _send(sock, frame, flags, True)
                 return
             except zmq.Again:
                 if shared:  # the socket as the others expect it, before they may take it
