@@ -7,6 +7,7 @@ peak growth stays far below what was sent, and the cluster serves a call after."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -92,6 +93,25 @@ class PeakRss:
 def executor(port: int, **kw) -> zbus.Executor:
     return zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
                          master_port=port, join_timeout=60, **kw)
+
+
+@contextlib.contextmanager
+def node_1_and_a_forger(port: int):
+    """Node 1's follower, and a PUSH socket of this process on the leader's PULL
+    port (a peer that forges replies); both ended on the way out."""
+    import zmq
+
+    proc = follower(port, "--node-rank", "1")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{port + 1}")
+    try:
+        yield proc, push
+    finally:
+        push.close()
+        ctx.term()
+        end_process(proc)
 
 
 def wait_dropped(ex, at_least: int, timeout: float = 60) -> int:
@@ -244,18 +264,11 @@ def test_replies_of_a_rank_a_call_did_not_ask_are_not_kept():
     kept for the call in flight was read as the next call's reply. Sabotage:
     ``expects`` without the ``answered <`` bound -> the 100 are kept (not dropped);
     ``_drop_answered`` doing nothing -> that protocol error."""
-    import zmq
-
     from zbus import codec
 
     port = free_port_pair()
-    proc = follower(port, "--node-rank", "1")
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{port + 1}")
     pad = b"x" * MiB
-    try:
+    with node_1_and_a_forger(port) as (proc, push):
         with executor(port) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
             receiver, before = ex._leader.path.receivers[1], ex._leader.dropped_by.get("unexpected-reply", 0)
@@ -273,10 +286,6 @@ def test_replies_of_a_rank_a_call_did_not_ask_are_not_kept():
             assert not receiver._replies  # the in-flight one went when a later reply was kept
             ex.check_health()
         assert proc.wait(30) == 0
-    finally:
-        push.close()
-        ctx.term()
-        end_process(proc)
 
 
 def test_a_reply_to_a_call_not_in_flight_is_dropped_before_it_is_decoded():
@@ -338,18 +347,11 @@ def test_a_reply_over_the_largest_reply_is_not_kept_while_its_call_waits(monkeyp
     setting. Sabotage: file every reply undecoded, whatever its size (``size <=
     self.max_reply`` dropped in ``DataPath._recv_control``) -> its 1.2 MiB of
     frames are kept until the call reads them, and the error names no setting."""
-    import zmq
-
     from zbus import codec
 
     monkeypatch.setenv("ZBUS_MAX_REPLY", str(MiB))
     port = free_port_pair()
-    proc = follower(port, "--node-rank", "1")
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{port + 1}")
-    try:
+    with node_1_and_a_forger(port) as (proc, push):
         with executor(port) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
             receiver = ex._leader.path.receivers[1]
@@ -362,10 +364,6 @@ def test_a_reply_over_the_largest_reply_is_not_kept_while_its_call_waits(monkeyp
             assert "(on rank 1)" in str(info.value) and slow.seq not in receiver._replies
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
         assert proc.wait(30) == 0
-    finally:
-        push.close()
-        ctx.term()
-        end_process(proc)
 
 
 def test_big_join_requests_are_dropped_while_the_cluster_forms():
