@@ -607,6 +607,35 @@ def test_a_value_from_the_network_is_named_without_a_repr_of_its_bytes():
     assert max(len(n) for n in named) < 400
 
 
+def test_a_tensor_array_or_error_from_the_network_is_named_without_its_repr():
+    """Nor is a tensor's, an array's or an error info's whole repr made: torch
+    prints every item of a tensor whose dimensions are all 2 (16x its bytes, and
+    slow: the leader's reader of heartbeats named 10 forged 48 KiB tensors in 3.3
+    s), and an error's fields are the sender's strings. Sabotage: no
+    ``repr_instance`` in ``_Brief`` (reprlib's, as before) -> MiBs at the peak."""
+    import tracemalloc
+
+    import numpy as np
+    import torch
+
+    from zbus.cluster import brief
+
+    tensor = torch.zeros([2] * 16, dtype=torch.uint8)
+    info = codec.ExceptionInfo("x.Error", "\x00" * 2**22, "")
+    tracemalloc.start()
+    try:
+        named = (brief([1, 5, 2, tensor]), brief(np.zeros([2] * 16, np.uint8)), brief(info),
+                 brief([1.5, True, None]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, f"{peak / 2**20:.1f} MiB"
+    assert named[0] == "[1, 5, 2, <Tensor of shape [2, 2, 2, 2, 2, 2, ...]>]"
+    assert named[1] == "<ndarray of shape [2, 2, 2, 2, 2, 2, ...]>"
+    assert named[2].startswith("ExceptionInfo(type_name='x.Error', message='\\x00") and len(named[2]) < 400
+    assert named[3] == "[1.5, True, None]"
+
+
 def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
     """Crafted messages on the PULL port, and an error inside the loop itself (as a
     bug or a message that breaks a handler would raise), are logged and counted;

@@ -1012,6 +1012,20 @@ def test_nested_extension_bodies_count_against_the_byte_budget():
     assert str(e.value) == "decoding this message would exceed its byte budget (4x its size + 1 MiB)"
 
 
+@pytest.mark.parametrize("body", [
+    ext(TENSOR, ["\x00" * 2**22, [1], [1], None]),
+    ext(DATACLASS, ["\x00" * 2**22, {}]),
+    ext(DATACLASS, [Point.__zbus_name__, {"x": 1, "y": 2.0, "\x00" * 2**22: 3}]),
+], ids=["tensor dtype", "dataclass name", "dataclass field"])
+def test_an_error_names_what_the_sender_named_in_a_bounded_text(body):
+    """A name from the network in a decoding error (kept in a call's error on the
+    reply path) is cut: 4 MiB of NULs made 16 MiB of error text. Sabotage: name
+    ``body[0]!r`` whole (as before) -> a text of 16 MiB."""
+    with pytest.raises(zbus.CodecError) as e:
+        decode([header([1, 7, 0, body])])
+    assert len(str(e.value)) < 1000, len(str(e.value))
+
+
 def test_the_byte_budget_lets_real_messages_through():
     """The positive control of the budget: a large inline value a few extension
     levels deep (a dataclass in the arguments tuple), and large frames."""

@@ -13,6 +13,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
+import torch
 import workers
 import zmq
 from conftest import end_process, wait_until
@@ -593,6 +594,31 @@ def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkey
             end_process(p)
 
 
+def test_connections_that_never_handshake_stall_no_keyed_leader(monkeypatch):
+    """Keyed, the leader watches its two sockets for failed handshakes, and a peer
+    with no key that opens and closes TCP connections (not one ZeroMQ byte) makes an
+    event each. ZeroMQ's I/O thread blocks once 2000 wait unread, and the watcher
+    read one per socket every 0.1 s: 5000 such connections stopped every link of
+    the leader (heartbeats, calls, replies). Sabotage: read one event per socket
+    and pass again -> the call times out, or the node is lost."""
+    monkeypatch.setenv("ZBUS_SECRET", SECRET)
+    monkeypatch.delenv("ZBUS_CURVE_DIR", raising=False)
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, join_timeout=60, liveness_s=2.0) as ex:
+            for i in range(5000):
+                socket.create_connection(("127.0.0.1", port + i % 2), timeout=5).close()
+            until = time.monotonic() + 3 * 2.0  # past the liveness limit
+            while time.monotonic() < until:
+                assert ex.collective_rpc("later", args=("x", 0.1), timeout=10) == ["x", "x"]
+            ex.check_health()
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
 def test_a_node_with_another_secret_is_refused_at_the_handshake(tmp_path, monkeypatch, caplog):
     """The node's keys (and the leader's public key it expects) differ: the handshake
     fails before ZAP, and the leader logs it. Sabotage: derive keys without the
@@ -717,7 +743,9 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
     "completing calls failed". A reply whose status is a numpy array is dropped
     as ``shape`` and its call gets the real replies. Sabotage: drop the status's
     type check in ``DataPath._file_reply`` and ``Call.finish``: ValueError on the
-    completer fails the executor."""
+    completer fails the executor. A refusal whose reason is a 64 KiB tensor fails
+    its call with a short error. Sabotage: ``str`` of the reason (as before) -> an
+    error of 1 MB, made under the reply lock."""
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")
     ctx = zmq.Context()
@@ -738,6 +766,13 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
             push.send_multipart(codec.encode([1, later.seq, np.array([0, 0]), "forged"]))
             wait_until(lambda: ex._leader.dropped_by.get("shape", 0) > before, 20, "the forged reply dropped")
             assert later.result(30) == ["y", "y"]
+            # a refusal whose reason is a tensor: named, not printed (MiBs, seconds)
+            third = ex.collective_rpc("later", args=("z", 1.0), non_block=True)
+            push.send_multipart(codec.encode([1, third.seq, protocol.REFUSED,
+                                              torch.zeros([2] * 16, dtype=torch.uint8)]))
+            error = third.exception(timeout=30)
+            assert isinstance(error, zbus.ZbusError) and "Tensor of shape" in str(error), repr(error)[:200]
+            assert len(str(error)) < 1000
             ex.check_health()
             assert ex.collective_rpc("rank_value", args=(3,), timeout=30) == [30, 31]
             push.close()

@@ -23,6 +23,7 @@ Joining: a follower subscribes to ``R``, ``H`` and its own ``N<id>``, then sends
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import reprlib
@@ -66,8 +67,11 @@ def max_reply() -> int:
 
 
 class _Brief(reprlib.Repr):
-    """reprlib's short repr, with bytes cut before their repr is made (reprlib makes
-    the whole repr of a type it does not know, up to 4x its size, then cuts it)."""
+    """reprlib's short repr, with no value's whole repr made: reprlib makes the whole
+    repr of a type it does not know, then cuts it, and for bytes, a tensor or an
+    array from the network that is many times their size (16x for a tensor), and
+    slow. Bytes are cut first, the fields of a dataclass (an error's info) are
+    named briefly, and another object is named by its type (and shape)."""
 
     def repr_bytes(self, x: bytes | bytearray, level: int) -> str:
         if len(x) <= self.maxstring:
@@ -75,6 +79,20 @@ class _Brief(reprlib.Repr):
         return f"{repr(x[:self.maxstring])}... ({len(x)} bytes)"
 
     repr_bytearray = repr_bytes
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        if type(x) in (bool, float, complex, type(None)):
+            return repr(x)
+        name = type(x).__name__
+        if level <= 0:
+            return f"<{name}>"
+        if dataclasses.is_dataclass(x):
+            fields = dataclasses.fields(x)
+            named = ", ".join(f"{f.name}={self.repr1(getattr(x, f.name), level - 1)}"
+                              for f in fields[:self.maxtuple])
+            return f"{name}({named})"
+        shape = getattr(x, "shape", None)
+        return f"<{name} of shape {self.repr1(list(shape), level - 1)}>" if shape is not None else f"<{name}>"
 
 
 _REPR = _Brief()
@@ -290,6 +308,7 @@ def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
             elif curve_dir:
                 NodeCurve.from_dir(curve_dir).client(sock)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, ":" in ip)
         sub.setsockopt(zmq.SUBSCRIBE, STATUS_TOPIC + token.encode())
         sub.connect(f"tcp://{bracket(ip)}:{master_port}")
         push.connect(f"tcp://{bracket(ip)}:{master_port + 1}")

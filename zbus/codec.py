@@ -416,7 +416,7 @@ class _Decoder:
             import torch  # lazily: only a peer that sends tensors makes us load torch
         dtype = _torch_dtypes(torch).get(body[0])
         if dtype is None:
-            raise CodecError(f"unknown tensor dtype {body[0]!r}")
+            raise CodecError(f"unknown tensor dtype {body[0][:40]!r}")
         shape, strides, index = body[1], body[2], body[3]
         if index is None:
             if _numel(shape) != 0:
@@ -466,12 +466,12 @@ class _Decoder:
             raise CodecError("malformed dataclass extension")
         cls = _registry.get(body[0])
         if cls is None:
-            raise CodecError(f"unregistered type {body[0]!r} (register it with zbus.codec.register "
+            raise CodecError(f"unregistered type {body[0][:200]!r} (register it with zbus.codec.register "
                              "on both ends)")
         try:
             return cls(**body[1])
         except TypeError as e:
-            raise CodecError(f"cannot build {body[0]}: {e}") from e
+            raise CodecError(f"cannot build {body[0][:200]}: {str(e)[:200]}") from e
 
     def _object(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 2 and type(body[0]) is str):
@@ -485,7 +485,7 @@ class _Decoder:
         except CodecError:
             raise
         except Exception as e:  # noqa: BLE001 - the family's constructor refused the state
-            raise CodecError(f"cannot build {body[0][:200]}: {type(e).__name__}: {e}") from e
+            raise CodecError(f"cannot build {body[0][:200]}: {type(e).__name__}: {str(e)[:200]}") from e
 
 
 def decode(frames: Sequence[Any], max_bytes: int | None = None) -> Any:

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 MIN_SECRET_BYTES = 16
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+MONITOR_BATCH = 1000  # handshake events read at a time
 NODE_KEY = re.compile(r"node-([1-9][0-9]*)\.key")
 
 
@@ -178,19 +179,26 @@ class LeaderCurve:
             self._watcher.start()
 
     def _watch(self) -> None:
+        """Read every event as it comes: ZeroMQ's I/O thread, which carries every
+        link of the leader, blocks once 2000 wait unread, and a peer with no key
+        makes one per TCP connection it opens and closes."""
         from zmq.utils.monitor import recv_monitor_message
 
         last_log = 0.0
         while not self._stop.is_set():
-            for sock in list(self._monitors):
-                if not sock.poll(0):
-                    continue
-                event = recv_monitor_message(sock)
-                if event["event"] & HANDSHAKE_FAILED and time.monotonic() - last_log >= 1.0:
-                    last_log = time.monotonic()  # at most once a second under a flood
-                    log.warning("a peer failed the CurveZMQ handshake on %s (a key of another set or "
-                                "secret?)", event["endpoint"].decode(errors="replace"))
-            self._stop.wait(0.1)
+            poller = zmq.Poller()
+            for sock in list(self._monitors):  # (the second socket's comes after this starts)
+                poller.register(sock, zmq.POLLIN)
+            for sock, _ in poller.poll(100):
+                for _ in range(MONITOR_BATCH):  # then a look at the stop flag
+                    try:
+                        event = recv_monitor_message(sock, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if event["event"] & HANDSHAKE_FAILED and time.monotonic() - last_log >= 1.0:
+                        last_log = time.monotonic()  # at most once a second under a flood
+                        log.warning("a peer failed the CurveZMQ handshake on %s (a key of another set "
+                                    "or secret?)", event["endpoint"].decode(errors="replace"))
 
     def close(self) -> None:
         self._stop.set()

@@ -103,7 +103,8 @@ class Call:
             if status == protocol.OK:
                 continue
             if status == protocol.REFUSED:
-                return ZbusError(f"rank {rank}: {getattr(value, 'message', value)}")
+                why = getattr(value, "message", value)  # (a forged one: a tensor, say)
+                return ZbusError(f"rank {rank}: {why if type(why) is str else brief(why)}")
             if status == protocol.RAISED and type(value) is codec.ExceptionInfo:
                 return RemoteError(rank, value.type_name, value.message, value.traceback)
             # only a peer that is not a zbus worker sends this (the leader's port is open)
