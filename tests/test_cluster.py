@@ -197,6 +197,63 @@ def test_a_worker_that_fails_to_start_on_a_follower_tells_the_driver_why():
         end_process(proc)
 
 
+def test_a_follower_that_cannot_start_its_workers_tells_the_driver_why_at_once():
+    """A follower whose start fails after the leader's welcome (a bad ``ZBUS_RING``
+    here; /dev/shm full or a refused pidfd alike) tells the leader why, and the
+    start fails at once naming the node and the reason. Sabotage: tell the leader
+    only once the node is a member (``leaving``, as before): the driver waits out
+    its ``join_timeout`` and learns only that rank 1 is missing."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1", env={"ZBUS_RING": "bogus"})
+    try:
+        started = time.monotonic()
+        why = r"node 1 .*refused to start the workers: .*ZBUS_RING='bogus'"
+        with pytest.raises(zbus.StartupError, match=why):
+            leader(port, nnodes=2, join_timeout=60)
+        assert time.monotonic() - started < 30  # (not the join_timeout)
+        assert proc.wait(30) == 1
+    finally:
+        end_process(proc)
+
+
+def test_a_remote_workers_start_up_error_is_told_while_the_cluster_still_forms():
+    """Node 1's worker fails to start while node 2 has not joined: the start fails
+    at once with that worker's own traceback. Sabotage: read only the local ranks'
+    reports in ``_startup_failure`` (as before: the nodes' ranks were added once
+    every node had joined) -> "a worker died during start-up", no traceback."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with pytest.raises(zbus.StartupError, match=r"(?s)rank 1 failed to start.*zbus_module_that_does"):
+            leader(port, worker=workers.FollowerLacksAModuleWorker, nnodes=3, join_timeout=60)
+        proc.wait(30)
+    finally:
+        end_process(proc)
+
+
+def test_a_leader_on_an_ipv6_address_is_joined_and_answers_status():
+    """Sabotage: no ``IPV6`` option on the agent's sockets (as before): ZeroMQ
+    retries the v6 address for ever, the node never joins."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no ::1 here")
+    from zbus.cluster import query_status
+
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1", "--master-addr", "::1")
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="::1",
+                           master_port=port, join_timeout=30) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            assert query_status("::1", port, timeout=10)["world_size"] == 2
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
 def test_join_timeout_names_the_missing_node_ranks():
     port = free_port_pair()
     proc = follower(port, "--node-rank", "2")
@@ -345,6 +402,70 @@ def test_shutdown_from_another_thread_gives_a_leaders_blocked_callers_a_zbus_err
     finally:
         if ex is not None:
             ex.shutdown()
+        end_process(proc)
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_an_executor_dropped_without_a_shutdown_stops_its_workers_and_nodes(nnodes):
+    """An executor nobody holds goes, and shuts down as it goes: its workers and
+    its nodes exit 0. Its own threads (the completer, the worker monitor, the
+    leader's I/O thread) and its failure callback hold it weakly. Sabotage: the
+    completer holds it strongly (as before), or ``LocalWorkers`` gets
+    ``self._worker_died``, or the failure ``self._on_failure``, or (2 nodes) the
+    leader ``self.status``, unwrapped: it is still there, its workers run on."""
+    import gc
+    import weakref
+
+    port = free_port_pair()
+    proc = follower(port) if nnodes > 1 else None
+    ex = None
+    try:
+        ex = leader(port, nnodes=nnodes, join_timeout=60)
+        assert ex.collective_rpc("rank_value", args=(1,), non_block=True).result(30) == [
+            10, 11][:nnodes]  # (a non-blocking call starts the completer thread)
+        workers, dropped = ex._workers, weakref.ref(ex)
+        ex = None
+        gc.collect()
+        wait_until(lambda: dropped() is None, 30, "the dropped executor to go")
+        assert [p.wait(10) for p in workers.procs] == [0]
+        if proc is not None:
+            assert proc.wait(30) == 0
+    finally:
+        if ex is not None:
+            ex.shutdown()
+        if proc is not None:
+            end_process(proc)
+
+
+@pytest.mark.parametrize("executor", ["kept", "dropped"])
+def test_a_driver_that_exits_without_a_shutdown_exits_and_its_workers_end(executor):
+    """A driver that ends with an executor still referenced (``kept``: a module
+    global) exits at once, and its workers end on their own, as orphans do. One
+    dropped just before the end (``dropped``: the last reference a future's) is
+    shut down before the driver exits: its workers are stopped, not orphaned.
+    Sabotage: start a shutdown thread in ``__del__`` (the first version of this
+    fix) -> ``kept`` hangs (no thread runs at the interpreter's exit, and the start
+    waits for it); no ``atexit`` join of the reaper -> ``dropped``'s workers are
+    orphaned (the reaper, a daemon, is cut short)."""
+    from conftest import spawn_python
+
+    code = ("import workers, zbus\n"
+            "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
+            "print(*(p.pid for p in ex._workers.procs), flush=True)\n"
+            "future = ex.collective_rpc('rank_value', args=(1,), non_block=True)\n"
+            + ("ex = None\n" if executor == "dropped" else "")
+            + "assert future.result(30) == [10, 11]\n"
+            "future = None\n")
+    proc = spawn_python(code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=60)  # (the workers share its stderr: until they end)
+        assert proc.returncode == 0, err[-2000:]
+        pids = [int(pid) for pid in out.split()]
+        assert len(pids) == 2
+        wait_until(lambda: not any(psutil.pid_exists(pid) for pid in pids), 15, "the workers to end")
+        if executor == "dropped":
+            assert "is gone" not in err, err[-2000:]
+    finally:
         end_process(proc)
 
 

@@ -654,6 +654,22 @@ def test_a_done_callback_run_by_a_shutdown_may_shut_down_too(monkeypatch):
     assert len(took) == 1 and took[0] < 1.0, took
 
 
+def test_an_inproc_executor_whose_reply_thread_runs_goes_once_dropped():
+    """``backend="inproc"``: once a method answered with a Future (the reply pipe's
+    thread then runs), a dropped executor still goes: that thread holds it weakly.
+    Sabotage: give ``ReplyPipe`` ``self._deliver`` unwrapped -> still there."""
+    import gc
+    import weakref
+
+    ex = zbus.Executor(EchoWorker, backend="inproc")
+    assert ex.collective_rpc("later", args=(1, 0.05), non_block=True).result(timeout=5) == [1]
+    assert ex._replies.thread is not None
+    dropped = weakref.ref(ex)
+    ex = None
+    gc.collect()
+    wait_until(lambda: dropped() is None, 10, "the dropped executor to go")
+
+
 def test_an_inproc_callback_of_a_later_reply_may_call_the_executor():
     """``backend="inproc"``: a method that returns a Future answers from the reply
     thread, under the reply pipe's lock; the future's callback calls the executor
@@ -1172,7 +1188,7 @@ def driver_of_two_workers(setup: str, then: str, *argv: str) -> tuple[subprocess
         "ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)\n"
         f"{setup}\n"
         "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
-        f"{then}\n", *argv, stdout=subprocess.PIPE)
+        f"{then}\n", *argv, stdout=subprocess.PIPE, stdin=subprocess.PIPE)
     workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
     assert len(workers) == 2
     return proc, workers
@@ -1270,7 +1286,8 @@ def test_a_process_a_worker_started_ends_with_the_worker(tmp_path, how):
     ``start_new_session`` in ``LocalWorkers`` -> both processes run on (60 s)."""
     mark = str(tmp_path / "child")
     proc, workers = driver_of_two_workers("ex.collective_rpc('start_a_process', args=(sys.argv[1],))",
-                                          "ex.shutdown()\ntime.sleep(60)" if how == "shutdown"
+                                          "sys.stdin.readline()\nex.shutdown()\ntime.sleep(60)"
+                                          if how == "shutdown"
                                           else "time.sleep(60)", mark)
     started = []
     try:
@@ -1278,6 +1295,8 @@ def test_a_process_a_worker_started_ends_with_the_worker(tmp_path, how):
             with open(f"{mark}.{r}") as f:
                 started.append(psutil.Process(int(f.read())))
         if how == "shutdown":
+            proc.stdin.write(b"\n")  # (the workers' pids are read: the driver may shut down)
+            proc.stdin.flush()
             assert psutil.wait_procs(workers, timeout=30)[1] == []
         else:
             kill_driver(proc, workers)

@@ -26,7 +26,7 @@ from peer_procs import digest
 
 from zbus import ZbusError, codec
 from zbus.errors import SendTimeout
-from zbus.queues import Broadcaster, ZmqReceiver, ZmqSender, bind, deadline_of, send_frames
+from zbus.queues import Broadcaster, ReplySender, ZmqReceiver, ZmqSender, bind, deadline_of, send_frames
 from zbus.ring import RingReader
 
 pytestmark = pytest.mark.timeout(60)
@@ -115,6 +115,23 @@ def listening_addresses(port: int) -> set[str]:
 
 
 # --- response queues -----------------------------------------------------------
+
+
+def test_a_reply_sender_closes_at_once_and_its_monitor_thread_ends(ctx):
+    """A worker's reply sender (the PUSH a remote worker answers on) ends its
+    monitor thread at close. Sabotage: leave ``EVENT_MONITOR_STOPPED`` out of the
+    monitor's events (as before): ZeroMQ sends no such event, the thread stays
+    blocked in its receive, and every close waited 2 s for it (a remote worker
+    given 0.2 s to end after a failure was SIGTERMed instead)."""
+    rx = ZmqReceiver(HOST, ctx=ctx)
+    tx = ReplySender(f"tcp://{HOST}:{rx.port}", ctx=ctx)
+    try:
+        tx.put([0, 1, 0, "x"], timeout=5)
+        assert rx.get(timeout=5) == [0, 1, 0, "x"]
+    finally:
+        tx.close(linger_s=0)
+        rx.close()
+    assert not tx._thread.is_alive()
 
 
 def test_push_pull_round_trip(ctx):

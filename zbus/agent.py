@@ -167,6 +167,7 @@ class NodeAgent:
         self._ring_unnamed = False
         self._gap: dict | None = None  # calls lost in a reset connection, being sent again
         self._probes_seen: set[bytes] = set()
+        self._subscribed = False  # told the leader so: a member from then on
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
         self._next_hb = 0.0
@@ -193,8 +194,10 @@ class NodeAgent:
 
     def run(self) -> int:
         shm.sweep_stale()
+        welcomed = False
         try:
             welcome = self._join()
+            welcomed = True
             self._start_workers(welcome)
             return self._serve()
         except NodeEnded as e:
@@ -207,8 +210,8 @@ class NodeAgent:
             known = isinstance(e, ZbusError)
             why = str(e) if known else f"the node agent failed: {type(e).__name__}: {e}"
             log.error("%s", why, exc_info=not known)
-            if self.workers is not None:  # a member: its callers learn why now, not a liveness limit later
-                self._send_to_leader(["leaving", self.node_rank, why[:500]], timeout=0.2)
+            if welcomed:  # the leader learns why now, not at a liveness or join limit
+                self._tell_leader(why[:500])
             return 1
         finally:
             self._close()
@@ -232,6 +235,7 @@ class NodeAgent:
             if self.curve is not None:
                 self.curve.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, ":" in master_ip)  # (else ZeroMQ retries a v6 address for ever)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self.sub.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
@@ -276,16 +280,19 @@ class NodeAgent:
         raise ZbusError(f"no leader answered at {self.settings.master_addr}:{self.settings.master_port} "
                         f"within {self.join_timeout} s")
 
-    def _refuse(self, reason: str) -> None:
-        """Tell the leader why this node will not start (it fails start-up naming
-        us), and leave."""
-        self._send_to_leader(["refused", self.node_id, reason], timeout=1.0)
-        raise ZbusError(reason)
+    def _tell_leader(self, why: str) -> None:
+        """Tell the leader why this node ends: a member leaves (its callers get a
+        ``NodeLostError``); a node still joining refuses to start (start-up fails
+        naming it: the leader takes nothing else from a node not yet a member)."""
+        if self._subscribed:
+            self._send_to_leader(["leaving", self.node_rank, why], timeout=0.2)
+        else:
+            self._send_to_leader(["refused", self.node_id, why], timeout=1.0)
 
     def _start_workers(self, welcome: dict) -> None:
         problem = check_welcome(welcome, self.settings.nproc_per_node, self.node_rank)
         if problem is not None:
-            self._refuse(f"refused the leader's welcome: {problem}")
+            raise ZbusError(f"refused the leader's welcome: {problem}")
         n = welcome["nproc_per_node"]
         self.node_rank = welcome["node_rank"]
         self.liveness_s = welcome["liveness_s"]
@@ -324,7 +331,7 @@ class NodeAgent:
                       "leader may only start the classes allowed with --allow-worker "
                       f"(now: {', '.join(self.allowed_workers)}); or trust the leader with keys "
                       "(zbus keygen)")
-            self._refuse(reason)
+            raise ZbusError(reason)
 
     def _worker_env(self, env: dict) -> dict:
         """The driver's env for this node's workers; from an unauthenticated leader
@@ -409,7 +416,7 @@ class NodeAgent:
         if msg == ["probe", self.node_id]:
             self._probes_seen.add(topic)
             if len(self._probes_seen) == len(PROBE_TOPICS):
-                self._send_to_leader(["subscribed", self.node_id], timeout=1.0)
+                self._subscribed |= self._send_to_leader(["subscribed", self.node_id], timeout=1.0)
                 self._probes_seen = set()
 
     def _read(self) -> list:
@@ -600,9 +607,12 @@ class NodeAgent:
 
     # --- plumbing ------------------------------------------------------------------
 
-    def _send_to_leader(self, msg: Any, timeout: float) -> None:
-        if not send_message(self.push, msg, timeout, "send to leader"):
-            log.warning("leader not taking messages (%s not sent)", msg[0])
+    def _send_to_leader(self, msg: Any, timeout: float) -> bool:
+        """Whether ``msg`` was queued within ``timeout``."""
+        if send_message(self.push, msg, timeout, "send to leader"):
+            return True
+        log.warning("leader not taking messages (%s not sent)", msg[0])
+        return False
 
     def _recv(self) -> tuple[bytes, Any]:
         frames = self.sub.recv_multipart(copy=False)

@@ -8,13 +8,16 @@ process, for debugging and unit tests; ``"pkg.mod:Cls"`` names a user subclass.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import logging
 import os
+import queue
 import socket
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
@@ -303,6 +306,7 @@ class Executor:
         self._shut_down = threading.Event()  # set once the first shutdown is done
         self._shutting_down_in = 0  # the thread of the first shutdown (its callbacks may call it)
         self._closed = False
+        _start_reaper()
 
     # --- public API ----------------------------------------------------------------
 
@@ -354,11 +358,11 @@ class Executor:
         self.shutdown()
 
     def __del__(self) -> None:
+        # Dropped without a shutdown (its own threads hold it weakly: see _weakly):
+        # the reaper thread shuts it down. Not here: the collector may run this in
+        # any thread, holding any lock (a shutdown's, or one a thread start takes).
         if not getattr(self, "_closed", True):
-            try:
-                self.shutdown()
-            except Exception:  # noqa: BLE001 - interpreter teardown
-                pass
+            _dropped.put(self)  # (SimpleQueue.put may be called from __del__)
 
     # --- shared machinery ---------------------------------------------------------
 
@@ -425,6 +429,7 @@ class InprocExecutor(Executor):
         if kwargs.get("nproc_per_node", 1) != 1:
             raise ValueError("backend='inproc' runs exactly one worker (nproc_per_node=1)")
         super().__init__(worker, **kwargs)
+        self._closed = True  # until built: nothing to shut down before (see __del__)
         if self.output_rank != 0:
             raise ValueError(f"output_rank {self.output_rank} outside 0..0")
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
@@ -435,7 +440,8 @@ class InprocExecutor(Executor):
             "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0})
         self._calls: dict[int, Call] = {}
         self._delivering = threading.local()  # in _deliver, under the reply pipe's lock
-        self._replies = ReplyPipe(self._deliver, then=self._run_completions)
+        self._replies = ReplyPipe(_weakly(self._deliver), then=_weakly(self._run_completions))
+        self._closed = False
 
     def _deliver(self, reply: list) -> None:
         seq, status, value = reply
@@ -531,6 +537,60 @@ class OwnedLock:
         return self._owner == threading.get_ident()
 
 
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, holding its object weakly: a thread or a failure callback must
+    not keep a dropped executor alive (its ``__del__`` shuts it down). Once the
+    object is gone a call does nothing and returns None."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
+# Executors dropped without a shutdown, shut down by one thread ("zbus-reaper"),
+# started with the first executor (no thread may start in __del__) and finished at
+# the interpreter's exit (atexit: before the modules go). One dropped while the
+# interpreter finalizes is left to its workers' death pipe.
+_dropped: queue.SimpleQueue = queue.SimpleQueue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()
+
+
+def _start_reaper() -> None:
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="zbus-reaper", daemon=True)
+            _reaper.start()
+
+
+def _reap() -> None:
+    while (executor := _dropped.get()) is not None:
+        try:
+            executor.shutdown()
+        except Exception:  # noqa: BLE001 - this thread serves every executor
+            log.exception("shutting down a dropped executor failed")
+        del executor  # (not held while the next is waited for)
+
+
+@atexit.register
+def _reap_at_exit() -> None:
+    if _reaper is not None and _reaper.is_alive():
+        _dropped.put(None)
+        _reaper.join(SHUTDOWN_WAIT_S)
+
+
+def _forget_reaper() -> None:
+    """In a forked child: the reaper thread is not there."""
+    global _reaper, _dropped
+    _reaper, _dropped = None, queue.SimpleQueue()
+
+
+os.register_at_fork(after_in_child=_forget_reaper)
+
+
 CALLBACK_WAITS = ("this thread holds a lock of the executor (a callback run by one of its threads "
                   "while it waits) and must not wait on the executor: make the call from another thread")
 
@@ -549,7 +609,7 @@ class Completer:
     GRACE_S = 0.002
 
     def __init__(self, executor: MultiprocExecutor):
-        self._executor = executor
+        self._executor = weakref.ref(executor)  # a dropped executor must go (its __del__ stops this)
         self._cond = threading.Condition()
         self._undone = 0
         self._callers = 0  # callers waiting for the reply lock
@@ -627,7 +687,7 @@ class Completer:
                     return "complete"
                 grace = self._last_add + self.GRACE_S - time.monotonic()
                 # (none pending: the undone futures wait for the thread completing them)
-                work = self._undone > 0 and not self._callers and bool(self._executor._pending)
+                work = self._undone > 0 and not self._callers and self._calls_pending()
                 read = work and grace <= 0
                 if self._flush_asked and not (read and self._flushed_last):
                     self._flush_asked, self._flushed_last = False, True
@@ -638,32 +698,43 @@ class Completer:
                 self._cond.wait(grace if work else None)
             return None
 
-    def _run(self) -> None:
-        ex = self._executor
-        while (step := self._next()) is not None:
-            if step == "complete":
-                ex._run_completions()
-                continue
-            try:
-                if step == "flush":
-                    self._flush()
-                elif ex._recv_lock.acquire(timeout=self.SLICE_S):
-                    try:
-                        self._read_heads()
-                    finally:
-                        ex._recv_lock.release()
-            except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
-                if not isinstance(e, ExecutorFailedError):
-                    e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
-                ex.failure.fail(e)
-                return  # every pending future now holds the error (see _on_failure)
-            finally:
-                ex._run_completions()  # (of the calls completed meanwhile, a full ring's too)
+    def _calls_pending(self) -> bool:
+        ex = self._executor()
+        return ex is not None and bool(ex._pending)
 
-    def _flush(self) -> None:
+    def _run(self) -> None:
+        while (step := self._next()) is not None and self._take(step):
+            pass
+
+    def _take(self, step: str) -> bool:
+        """Take one step; whether to go on. A method of its own: the executor must not
+        be held in ``_run``'s frame while it waits for the next step."""
+        ex = self._executor()
+        if ex is None:
+            return False
+        if step == "complete":
+            ex._run_completions()
+            return True
+        try:
+            if step == "flush":
+                self._flush(ex)
+            elif ex._recv_lock.acquire(timeout=self.SLICE_S):
+                try:
+                    self._read_heads(ex)
+                finally:
+                    ex._recv_lock.release()
+        except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
+            if not isinstance(e, ExecutorFailedError):
+                e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
+            ex.failure.fail(e)
+            return False  # every pending future now holds the error (see _on_failure)
+        finally:
+            ex._run_completions()  # (of the calls completed meanwhile, a full ring's too)
+        return True
+
+    def _flush(self, ex: MultiprocExecutor) -> None:
         """One slice of the rest of a message in the ring, with the send lock (a
         caller's own send finishes it first, as well); asked again until it is out."""
-        ex = self._executor
         ring = ex._bcast.ring if ex._bcast is not None else None
         if ring is None or not ring.pending:
             return
@@ -679,11 +750,10 @@ class Completer:
         finally:
             ex._send_lock.release()
 
-    def _read_heads(self) -> None:
+    def _read_heads(self, ex: MultiprocExecutor) -> None:
         """Complete the pending calls in order, holding the reply lock, until one
         has a future (it completes once the lock is released) or a caller waits. A
         method of its own: the call it read must not outlive it in ``_run``'s frame."""
-        ex = self._executor
         while self._undone > 0 and not self._stopped and ex._pending and not self._callers:
             head = ex._pending[0]
             try:
@@ -713,6 +783,7 @@ class MultiprocExecutor(Executor):
         self.settings = ClusterSettings.resolve(nnodes, nproc_per_node, master_addr, master_port,
                                                 liveness_s)
         super().__init__(worker, nproc_per_node=self.settings.nproc_per_node, **kwargs)
+        self._closed = True  # until it starts: nothing to shut down before (see __del__)
         self.nnodes = self.settings.nnodes
         self.world_size = self.nnodes * self.nproc_per_node
         if not 0 <= self.output_rank < self.world_size:
@@ -742,7 +813,8 @@ class MultiprocExecutor(Executor):
         self._resp_handles: list[ring.RingHandle] = []
         self._receivers: list[Any] = []
         self._workers: LocalWorkers | None = None
-        self.failure.on_failure(self._on_failure)  # first: before the leader's and the user's
+        self.failure.on_failure(_weakly(self._on_failure))  # first: before the leader's and the user's
+        self._closed = False
         try:
             self._start()
         except BaseException:
@@ -754,7 +826,8 @@ class MultiprocExecutor(Executor):
         n, s = self.nproc_per_node, self.settings
         if self.nnodes > 1:
             self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self.failure, self.curve_dir,
-                                  self.metrics, self.status, secret=self.secret, insecure=self.insecure)
+                                  self.metrics, _weakly(self.status), secret=self.secret,
+                                  insecure=self.insecure)
             self._bcast = self._leader.bcast
             torch_port = reserve_port(self._leader.bind_ip)
             ifname = route_to(self._leader.bind_ip)[1]
@@ -776,7 +849,7 @@ class MultiprocExecutor(Executor):
         env = with_gloo_ifname(dict(self.extra_env), ifname)
         self._workers = LocalWorkers(
             places, self._bcast.handle.to_dict(), [h.to_dict() for h in self._resp_handles],
-            segments, self.master_addr, torch_port, env, self._worker_died)
+            segments, self.master_addr, torch_port, env, _weakly(self._worker_died))
         spec = {"worker": self.worker_path, "kwargs": self.worker_kwargs,
                 "allow_import": self.allow_import_calls, "poll_s": self.poll_after_call_s}
         deadline = deadline_of(self.startup_timeout)
@@ -814,7 +887,9 @@ class MultiprocExecutor(Executor):
         worker's report and its agent's death notice travel on different
         connections, so the report gets a moment to arrive."""
         deadline = time.monotonic() + STARTUP_REPORT_GRACE_S
-        pending = dict(enumerate(self._receivers))
+        pending = dict(enumerate(self._receivers[:self.nproc_per_node]))
+        if self._leader is not None:  # the nodes' ranks from their welcome on: the cluster may be forming
+            pending.update(list(self._leader.receivers.items()))  # (the I/O thread may add one)
         while pending:
             for rank, rx in list(pending.items()):
                 try:

@@ -226,8 +226,9 @@ class Membership:
         if node is None:
             self.metrics.dropped(reason="stray-refused")
             return
+        why = reason[:500] if type(reason) is str else brief(reason)  # (as a member's "leaving")
         self.failure.fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
-                                       f"workers: {brief(reason)}"))
+                                              f"workers: {why}"))
 
     def _on_subscribed(self, node_id: Any) -> None:
         node = self._probing.pop(node_id, None)

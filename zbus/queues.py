@@ -429,7 +429,9 @@ class ReplySender(ZmqSender):
         self._kept_bytes = 0
         self._closing = threading.Event()
         self.sent_again = 0  # replies sent again after a dropped connection
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # MONITOR_STOPPED too: ZeroMQ sends it at disable_monitor only if asked for,
+        # and it is what ends the monitor thread (else blocked in its receive for good)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
         self._thread = threading.Thread(target=self._watch, name="zbus-reply-monitor", daemon=True)
         self._thread.start()
 
