@@ -1277,6 +1277,27 @@ def test_an_orphaned_worker_whose_on_exit_clean_up_hangs_still_ends(tmp_path):
                 p.kill()
 
 
+def test_workers_see_one_gpu_each_unless_the_executor_shows_them_their_nodes(monkeypatch):
+    """By default each worker sees its own GPU (the ``local_rank``-th of its
+    parent's); ``env={"ZBUS_GPUS": "node"}`` shows each every GPU of its node (what
+    vLLM expects), and an unauthenticated leader may ask for that; an explicit
+    ``CUDA_VISIBLE_DEVICES`` wins. Sabotage: ignore ``ZBUS_GPUS`` in ``worker_env``
+    -> "node" workers see one GPU each."""
+    from zbus.agent import safe_env_name
+    from zbus.processes import GPUS_ENV, worker_env
+
+    def seen(extra: dict) -> list[str]:
+        return [worker_env({"rank": r, "local_rank": r, "world_size": 2, "local_world_size": 2,
+                            "node_rank": 0}, "127.0.0.1", 29500, extra)["CUDA_VISIBLE_DEVICES"]
+                for r in (0, 1)]
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert seen({}) == ["2", "3"]
+    assert seen({GPUS_ENV: "node"}) == ["2,3", "2,3"]
+    assert seen({"CUDA_VISIBLE_DEVICES": "5"}) == ["5", "5"]
+    assert safe_env_name(GPUS_ENV)
+
+
 @pytest.mark.parametrize("how", ["shutdown", "driver_killed"])
 def test_a_process_a_worker_started_ends_with_the_worker(tmp_path, how):
     """A worker's method starts a process that outlives the call (as a library's

@@ -363,18 +363,32 @@ def test_a_followers_worker_refuses_calls_that_undo_its_checks(wire):
         resolve_method(worker_on(1), "no_such_method", False)
 
 
-def test_each_worker_names_its_own_gpu_as_vllm_counts_them(monkeypatch):
-    """zbus shows each worker only its own GPU, so vLLM's local rank (its index of
-    the worker's device) is 0 there. Sabotage: hand vLLM zbus's local rank → local
-    rank 1 names a second GPU the worker cannot see (vLLM's GPU worker asserts)."""
+def test_each_worker_sees_its_nodes_gpus_and_maps_its_peers_as_vllm_does(monkeypatch):
+    """vLLM takes a worker's local rank for its device and maps its peers' local
+    ranks through ``CUDA_VISIBLE_DEVICES`` (its custom all-reduce's P2P check, at
+    ``init_device`` with TP 2 on one node). The vLLM executor shows each worker every
+    GPU of its node, as vLLM's own executor does. Sabotage: no ``WORKER_ENV`` (zbus's
+    one GPU each, as before) -> IndexError mapping the peer, and the engine's start
+    failed on every GPU node with two workers or more."""
+    from vllm.platforms.interface import Platform
+
+    from zbus.processes import worker_env
+    from zbus.vllm.executor import WORKER_ENV
     from zbus.vllm.worker import device_index
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    assert device_index(1) == 0
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the operator's own choice: all seen
-    assert device_index(1) == 1
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert device_index(1) == 1
+    class Gpus(Platform):  # vLLM's own mapping, over CUDA's variable
+        device_control_env_var = "CUDA_VISIBLE_DEVICES"
+
+    for local_rank in (0, 1):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the node's, as the operator set them
+        place = {"rank": local_rank, "local_rank": local_rank, "world_size": 2, "local_world_size": 2,
+                 "node_rank": 0}
+        env = worker_env(place, "127.0.0.1", 29500, dict(WORKER_ENV))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"])  # the worker's
+        assert device_index(local_rank) == local_rank
+        assert [Gpus.logical_device_id_to_visible_device_id(peer) for peer in (0, 1)] == [0, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # a worker that sees one GPU alone
+    assert device_index(0) == 0
 
 
 def test_cores_are_planned_for_the_workers_of_this_node(monkeypatch, wire, tmp_path):

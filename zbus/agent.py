@@ -56,7 +56,7 @@ DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
 # env= from an unauthenticated leader: only tuning knobs pass (an allow-list), and
 # none whose name suggests a path, plugin, file, proxy or download source.
 SAFE_ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "VLLM_", "ZBUS_TEST_")
-SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM",)
+SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM", "ZBUS_GPUS")
 UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CONF", "CACHE", "ENDPOINT",
                     "URL", "PROXY", "MODULE", "PRELOAD", "CMD", "EXEC", "SCRIPT")
 

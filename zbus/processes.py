@@ -34,6 +34,12 @@ def node_shm_prefix(master_port: int, node_rank: int) -> str:
     return f"{int(master_port)}?zbus_node={int(node_rank)}-"
 
 
+# The GPUs a worker sees (``env=`` of the executor): "own", one each (the default),
+# or "node", every GPU of its node, as vLLM's own executor shows them: vLLM names a
+# worker's device by its local rank and maps its peers' through that list.
+GPUS_ENV = "ZBUS_GPUS"
+
+
 def _visible_gpus() -> list[str]:
     """GPU ids this process may use, found without importing torch."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -59,7 +65,8 @@ def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str,
     })
     env.setdefault("OMP_NUM_THREADS", "1")
     gpus = _visible_gpus()
-    if len(gpus) >= place["local_world_size"] and "CUDA_VISIBLE_DEVICES" not in extra:
+    one_each = extra.get(GPUS_ENV, "own") != "node"
+    if one_each and len(gpus) >= place["local_world_size"] and "CUDA_VISIBLE_DEVICES" not in extra:
         env["CUDA_VISIBLE_DEVICES"] = gpus[place["local_rank"]]
     # The worker imports the user's modules the way the driver does.
     paths = [p for p in (sys.path[0], env.get("PYTHONPATH", "")) if p]

@@ -14,7 +14,7 @@ from vllm.v1.executor.abstract import Executor as VllmExecutor
 from .. import Executor
 from ..cluster import ClusterSettings
 from ..errors import ZbusError
-from ..processes import node_shm_prefix
+from ..processes import GPUS_ENV, node_shm_prefix
 from ..shm import unlink_prefixed
 from .wire import load_wire_modules
 
@@ -27,6 +27,12 @@ POLL_BETWEEN_STEPS_S = 0.01
 # vLLM SIGKILLs an engine not gone 5 s after SIGTERM: its workers' shutdown takes
 # 0.4-0.5 s, and whatever is left of the 5 s goes to stopping the processes.
 SHUTDOWN_RPC_S = 3.0
+
+
+# Every worker sees every GPU of its node, as under vLLM's own executor: vLLM takes
+# a worker's local rank for its device and maps its peers' local ranks through
+# CUDA_VISIBLE_DEVICES (its custom all-reduce's P2P check failed on one GPU each).
+WORKER_ENV = {GPUS_ENV: "node"}
 
 
 class ZbusExecutor(VllmExecutor):
@@ -47,7 +53,8 @@ class ZbusExecutor(VllmExecutor):
         # the first TP worker of the last PP stage, as vLLM's own executor
         self.output_rank = self.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
         self._attach(Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
-                              output_rank=self.output_rank, poll_after_call_s=POLL_BETWEEN_STEPS_S))
+                              output_rank=self.output_rank, poll_after_call_s=POLL_BETWEEN_STEPS_S,
+                              env=WORKER_ENV))
         try:
             self.collective_rpc("init_worker", args=(self.vllm_config,))
             self.collective_rpc("init_device")

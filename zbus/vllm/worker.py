@@ -156,8 +156,8 @@ def created_queue_buffers() -> list:
 
 def device_index(local_rank: int) -> int:
     """The index of this worker's GPU among those it sees, which vLLM calls its
-    local rank: 0 where zbus shows each worker only its own GPU
-    (``CUDA_VISIBLE_DEVICES``, see ``zbus.processes.worker_env``)."""
+    local rank: its local rank, as the vLLM executor shows each worker every GPU of
+    its node (``zbus.vllm.executor.WORKER_ENV``); 0 where it sees one alone."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     return 0 if visible and "," not in visible else local_rank
 
