@@ -439,6 +439,28 @@ def test_a_worker_that_exits_fails_the_executor_with_its_death():
         ex.shutdown()
 
 
+def test_the_failure_raised_again_and_again_keeps_no_frames_of_its_raises():
+    """Once failed, every call, health check and failed future raises the one
+    error: each raise added its frames (and so their locals) to that error's
+    traceback, kept with it for good. Sabotage: ``raise self.error`` in
+    ``Failure.raise_if_failed`` and ``raise e`` in ``RpcFuture.result`` (as
+    before) -> hundreds of frames."""
+    import traceback
+
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    try:
+        pending = ex.collective_rpc("die", kwargs={"rank": 0, "how": "exit"}, non_block=True)
+        error = pending.exception(timeout=20)
+        assert isinstance(error, zbus.WorkerDiedError) and ex.failure.error is error
+        for _ in range(50):
+            for attempt in (pending.result, ex.check_health, lambda: ex.collective_rpc("rank_value", (1,))):
+                with pytest.raises(zbus.WorkerDiedError):
+                    attempt()
+        assert len(traceback.extract_tb(error.__traceback__)) < 10
+    finally:
+        ex.shutdown()
+
+
 def test_a_worker_that_closes_its_replies_keeps_the_callers_deadline():
     """Rank 0 leaves by ``SystemExit`` and its process lingers 3 s: a call with a
     0.3 s timeout times out in time, and the executor then fails with that death

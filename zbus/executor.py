@@ -34,7 +34,7 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
-from .failure import Failure, raise_if_callers
+from .failure import Failure, again, raise_if_callers
 from .leader import Leader
 from .metrics import Metrics, serve_prometheus
 from .processes import LocalWorkers, with_gloo_ifname
@@ -148,7 +148,7 @@ class Call:
         ok, value = self.outcome
         if ok:
             return value
-        raise value
+        raise again(value)  # (the failure's error may be every pending call's)
 
 
 class RpcFuture(concurrent.futures.Future):
@@ -164,7 +164,11 @@ class RpcFuture(concurrent.futures.Future):
     reply_ranks: list[int]  # the ranks whose replies make the result
 
     def result(self, timeout: float | None = None) -> Any:
-        return super().result(self._complete(deadline_of(timeout)))
+        left = self._complete(deadline_of(timeout))
+        try:
+            return super().result(left)
+        except BaseException as e:  # noqa: BLE001 - raised again, as it came
+            raise again(e)  # noqa: B904 - the same error (the failure's may be every future's)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return super().exception(self._complete(deadline_of(timeout)))
@@ -979,7 +983,7 @@ class MultiprocExecutor(Executor):
                 if isinstance(e, SendTimeout):
                     raise TimeoutError(f"collective_rpc({method!r}) timed out sending: {e}") from None
                 if isinstance(e, (RingClosed, Cancelled)):
-                    raise self.failure.error or ZbusError("executor is shut down") from None
+                    raise again(self.failure.error or ZbusError("executor is shut down")) from None
                 raise
         finally:
             self._send_lock.release()
@@ -1075,7 +1079,7 @@ class MultiprocExecutor(Executor):
             self._recv_lock.release()
             self._run_completions()
         if not call.done():  # no longer pending, never settled: only a shutdown does that
-            raise self.failure.error or ZbusError("executor is shut down")
+            raise again(self.failure.error or ZbusError("executor is shut down"))
 
     def _on_wait_slice(self) -> None:
         """A slice of a wait for the head call's replies ended (the recv lock held)."""
@@ -1122,7 +1126,7 @@ class MultiprocExecutor(Executor):
         try:
             return self._receivers[rank].get(remaining(deadline, "collective_rpc"), want=head.seq)
         except RingClosed:
-            raise self._replies_ended(rank, deadline) from None
+            raise again(self._replies_ended(rank, deadline)) from None
         except CodecError as e:  # consumed but not decodable here: the caller gets why
             return [rank, head.seq, protocol.RAISED,
                     codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")]

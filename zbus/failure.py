@@ -67,7 +67,14 @@ class Failure:
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
-            raise self.error
+            raise again(self.error)
+
+
+def again(error: BaseException) -> BaseException:
+    """``error`` without its traceback, to raise once more: the one failure is
+    raised by every later call, and each raise would add its frames (and so their
+    locals, a caller's tensors say) to what the error keeps for good."""
+    return error.with_traceback(None)
 
 
 def _run(callbacks: list[Callback], error: Exception) -> None:
