@@ -109,3 +109,52 @@ def kept_loan_that_cannot_be_copied(handle_json: str) -> None:
     print(json.dumps({"kept_intact": bytes(kept) == b"A" * len(kept), "kept": len(kept),
                       "second": [second[:1].decode(), len(second)]}), flush=True)
     ring.close()
+
+
+def many_frames(index: int, n: int, size: int) -> list[bytes]:
+    """Message ``index``: META, then ``n`` frames of ``size`` bytes, frame ``k``
+    all of byte ``(index + k) % 251``: a piece shifted or lost shows at a frame's
+    ends (cheap to check, so the reader keeps up)."""
+    return [META.pack(index, n, time.monotonic()), *(bytes([(index + k) % 251]) * size for k in range(n))]
+
+
+def check_joined(frames: list) -> tuple[int, bool]:
+    """A ``many_frames`` message's index, and whether its frames are intact."""
+    index, n, _ = META.unpack(frames[0])
+    if index == END:
+        return index, True
+    sizes = {len(f) for f in frames[1:]}
+    return index, len(frames) == n + 1 and len(sizes) == 1 and all(
+        f[0] == f[-1] == (index + k) % 251 for k, f in enumerate(frames[1:]))
+
+
+def frames_reader(handle_json: str) -> None:
+    """Receive ``many_frames`` messages until the end message; print the counts of
+    messages, those out of sequence and those torn."""
+    ring = RingReader.attach(json.loads(handle_json), 0)
+    received = out_of_sequence = torn = 0
+    try:
+        while True:
+            frames = ring.recv(timeout=60)
+            got, intact = check_joined(frames)
+            if got == END:
+                break
+            out_of_sequence += got != received
+            torn += not intact
+            received += 1
+    finally:
+        ring.close()
+    print(json.dumps({"received": received, "out_of_sequence": out_of_sequence, "torn": torn}))
+
+
+def frames_writer(handle_json: str, count: int, n: int, size: int) -> None:
+    """Send ``count`` ``many_frames`` messages, then the end message."""
+    from zbus.ring import RingWriter
+
+    ring = RingWriter.attach(json.loads(handle_json))
+    try:
+        for index in range(count):
+            ring.send(many_frames(index, n, size), timeout=60)
+        ring.send(end_message(), timeout=60)
+    finally:
+        ring.close(unlink=False)

@@ -253,7 +253,9 @@ class RingWriter(_Ring):
     def __init__(self, seg: shm.Segment, policy: WaitPolicy | None):
         super().__init__(seg, policy)
         self._seq = self._q[_W_WSEQ]
-        self._pending: tuple[list[memoryview], int] | None = None
+        # A message begun, not all written: its pieces, where the next chunk starts
+        # (piece index, offset in it) and the bytes left.
+        self._pending: tuple[list[memoryview], int, int, int] | None = None
         self.started = 0  # messages begun: each is finished, whatever cuts its send short
         self._min_read = 0
         self._reader_flags = [(_reader_off(r) + 8) // 4 for r in range(self.n_readers)]
@@ -296,8 +298,8 @@ class RingWriter(_Ring):
         if self._pending is None and (self._seq - self._min_read < self.n_chunks or self._has_space()):
             # most calls: the message fits one free chunk and is written straight into it
             if _write_message(self._buf, self._chunk(self._seq), frames, self.chunk_bytes) >= 0:
-                self.started += 1
-                self._publish()
+                self._seq, self.started = self._seq + 1, self.started + 1  # (together: see flush)
+                self._announce(whole=True)
                 return
         views, lens, offsets, total = _views_and_layout(frames)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -313,47 +315,50 @@ class RingWriter(_Ring):
                 pieces.append(memoryview(_PAD)[:off - at])
             pieces.extend(p for p in (view if type(view) is tuple else (view,)) if p.nbytes)
             at = off + n
-        pieces.reverse()  # popped from the end
-        self._pending = (pieces, total)
-        self.started += 1
+        self._pending, self.started = (pieces, 0, 0, total), self.started + 1  # (together: see flush)
         try:
             self.flush(deadline, cancel, on_full)
         except BaseException as e:
             # The rest goes later: copy it now, the caller may change its buffers.
-            rest, left = self._pending
-            self._pending = ([memoryview(bytes(p)) for p in rest], left)
+            pieces, i, off, left = self._pending
+            rest = [pieces[i][off:], *pieces[i + 1:]] if i < len(pieces) else []
+            self._pending = ([memoryview(bytes(p)) for p in rest if p.nbytes], 0, 0, left)
             if isinstance(e, TimeoutError):
                 raise SendTimeout(str(e), queued=True) from None
             raise
 
     @property
     def pending(self) -> bool:
-        """Whether a message an earlier ``send`` began waits for :meth:`flush`."""
-        return self._pending is not None
+        """Whether a message an earlier ``send`` began waits for :meth:`flush` (its
+        rest, or its announce, which an exception such as Ctrl-C cut short)."""
+        return self._pending is not None or (self._seg._mmap is not None and self._q[_W_WSEQ] != self._seq)
 
     def flush(self, deadline: float | None = None, cancel: Any = None,
               on_full: Callable[[], None] | None = None) -> None:
         """Finish streaming a message that an earlier ``send`` left pending."""
-        if self._pending is None:
+        if self._pending is None or not self._pending[3]:
+            if self._q[_W_WSEQ] != self._seq:  # written, its announce cut short (Ctrl-C)
+                self._announce(whole=True)
+            self._pending = None
             return
-        pieces, left = self._pending
         buf, cb = self._buf, self.chunk_bytes
-        while left:
+        while self._pending[3]:
             if self._seq - self._min_read >= self.n_chunks and not self._has_space():
                 self._wait(self._has_space, _I_WWAIT, deadline, cancel, "send", on_full)
+            pieces, i, off, left = self._pending
             pos, room = self._chunk(self._seq), min(cb, left)
-            left -= room
-            while room:
-                piece = pieces.pop()
-                take = min(room, piece.nbytes)
-                buf[pos:pos + take] = piece[:take]
-                if take < piece.nbytes:
-                    pieces.append(piece[take:])
-                pos += take
-                room -= take
-            self._pending = (pieces, left)
-            self._seq += 1
-            self._announce(whole=not left)
+            end = pos + room
+            while pos < end:
+                take = min(end - pos, pieces[i].nbytes - off)
+                buf[pos:pos + take] = pieces[i][off:off + take]
+                pos, off = pos + take, off + take
+                if off == pieces[i].nbytes:
+                    i, off = i + 1, 0
+            # What is written and the chunk it is in move together (no call, no jump
+            # between them): an exception raised in the copy above (Ctrl-C) leaves
+            # both as they were, and the next flush writes this chunk again.
+            self._pending, self._seq = (pieces, i, off, left - room), self._seq + 1
+            self._announce(whole=left == room)
         self._pending = None
 
     def free_chunk(self) -> int | None:
@@ -432,7 +437,8 @@ class RingReader(_Ring):
         self._flag = off // 4 + 2
         self._detached = off // 4 + 3
         self._pos = self._q[self._rseq_w]
-        self._partial: tuple[memoryview, int] | None = None
+        self._partial: tuple[memoryview, int] | None = None  # a long message, as far as it is read
+        self._taken: list[memoryview] | None = None  # a small one read, its release cut short
         self._pool = BufferPool()
         self._buf = seg.buf
         self._bell = shm.Doorbell(f"{self._bell_prefix}r{index}", f"reader {index}")
@@ -467,10 +473,6 @@ class RingReader(_Ring):
 
     def _ready_or_closed(self) -> bool:
         return self._has_data() or self._ended()
-
-    def _release(self) -> None:
-        self._pos += 1
-        self._give_back()
 
     def _give_back(self) -> None:
         """Hand the writer every chunk before ``_pos``. The store's first fence:
@@ -541,12 +543,18 @@ class RingReader(_Ring):
         deadline = None if timeout is None else time.monotonic() + timeout  # the copy below counts
         if self._loan is not None:
             self._end_loan()
+        if self._taken is not None:  # read, and an exception (Ctrl-C) cut its return short
+            frames, self._taken = self._taken, None
+            self._give_back()
+            return frames
         buf, cb = self._buf, self.chunk_bytes
         if self._partial is None:
             pos = self._next_chunk(deadline, cancel)
             frames = _read_message(buf, pos, min(cb, BufferPool.MIN_BYTES - 1))
             if frames is not None:  # most calls: a small message in one chunk
-                self._release()
+                self._pos, self._taken = self._pos + 1, frames  # (together: see below)
+                self._give_back()
+                self._taken = None
                 return frames
             total = struct.unpack_from("<Q", buf, pos)[0]
             if self._fd is not None and BufferPool.MIN_BYTES <= total <= cb * self.n_chunks:
@@ -559,23 +567,27 @@ class RingReader(_Ring):
             take = min(cb, total)
             out = self._pool.take(total)
             out[:take] = buf[pos:pos + take]
-            self._release()
-            got = take
-        else:
-            out, got = self._partial
-            self._partial = None
+            self._pos, self._partial = self._pos + 1, (out, take)  # (together: see below)
+        out, got = self._partial
+        self._give_back()  # (the chunk just read; at a carry-on, a release cut short)
         total = len(out)
         while got < total:
-            try:
-                pos = self._next_chunk(deadline, cancel)
-            except (TimeoutError, Cancelled):
-                self._partial = (out, got)
-                raise
+            pos = self._next_chunk(deadline, cancel)
             take = min(cb, total - got)
             out[got:got + take] = buf[pos:pos + take]
-            self._release()
             got += take
-        return _split_frames(out)
+            # The chunk taken and the part kept move together (no call, no jump
+            # between them): whatever raises in this method (a deadline, Ctrl-C)
+            # leaves them in step, and the next recv carries on from there.
+            self._pos, self._partial = self._pos + 1, (out, got)
+            self._give_back()
+        try:
+            frames = _split_frames(out)
+        except Exception:  # a corrupt message is dropped (a signal's exception keeps it)
+            self._partial = None
+            raise
+        self._partial = None
+        return frames
 
     def close(self) -> None:
         """Detach: the writer stops waiting for this reader."""
