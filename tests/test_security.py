@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -502,6 +503,23 @@ def test_a_follower_refuses_a_welcome_that_turns_off_leader_loss_detection():
 SECRET = "zbus-test-secret-0123456789abcdef"  # a test-only value
 
 
+@contextlib.contextmanager
+def keyed_cluster(monkeypatch, **kwargs):
+    """A leader keyed by ``SECRET`` and one follower (node rank 1), one EchoWorker
+    each; yields the executor and its port, and checks the follower exits 0."""
+    monkeypatch.setenv("ZBUS_SECRET", SECRET)
+    monkeypatch.delenv("ZBUS_CURVE_DIR", raising=False)
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, join_timeout=60, **kwargs) as ex:
+            yield ex, port
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
 def forge(port: int, curve, messages: list) -> None:
     """Send ``messages`` to the leader's PULL port over a connection keyed by ``curve``."""
     from zbus.queues import send_frames
@@ -601,22 +619,13 @@ def test_connections_that_never_handshake_stall_no_keyed_leader(monkeypatch):
     read one per socket every 0.1 s: 5000 such connections stopped every link of
     the leader (heartbeats, calls, replies). Sabotage: read one event per socket
     and pass again -> the call times out, or the node is lost."""
-    monkeypatch.setenv("ZBUS_SECRET", SECRET)
-    monkeypatch.delenv("ZBUS_CURVE_DIR", raising=False)
-    port = free_port_pair()
-    proc = follower(port, "--node-rank", "1")
-    try:
-        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
-                           master_port=port, join_timeout=60, liveness_s=2.0) as ex:
-            for i in range(5000):
-                socket.create_connection(("127.0.0.1", port + i % 2), timeout=5).close()
-            until = time.monotonic() + 3 * 2.0  # past the liveness limit
-            while time.monotonic() < until:
-                assert ex.collective_rpc("later", args=("x", 0.1), timeout=10) == ["x", "x"]
-            ex.check_health()
-        assert proc.wait(30) == 0
-    finally:
-        end_process(proc)
+    with keyed_cluster(monkeypatch, liveness_s=2.0) as (ex, port):
+        for i in range(5000):
+            socket.create_connection(("127.0.0.1", port + i % 2), timeout=5).close()
+        until = time.monotonic() + 3 * 2.0  # past the liveness limit
+        while time.monotonic() < until:
+            assert ex.collective_rpc("later", args=("x", 0.1), timeout=10) == ["x", "x"]
+        ex.check_health()
 
 
 def test_a_node_with_another_secret_is_refused_at_the_handshake(tmp_path, monkeypatch, caplog):
@@ -699,24 +708,15 @@ def test_a_keyed_link_carries_large_frames_in_parts_and_the_workers_get_them_who
     fails); ``wire`` not cutting -> the parts check fails."""
     import zlib
 
-    monkeypatch.setenv("ZBUS_SECRET", SECRET)
-    monkeypatch.delenv("ZBUS_CURVE_DIR", raising=False)
-    port = free_port_pair()
-    proc = follower(port, "--node-rank", "1")
-    try:
-        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
-                           master_port=port, join_timeout=60) as ex:
-            bcast = ex._leader.bcast
-            for size in (protocol.PART_BYTES, 3 * protocol.PART_BYTES + 12345):
-                payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
-                frames = [protocol.call_envelope(1, "crc", -1, 2), *codec.encode(((7, payload), {}))]
-                wire = bcast.wire(b"R", frames)
-                assert (len(wire) > len(frames) + 1) == (size > protocol.PART_BYTES)
-                got = ex.collective_rpc("crc", args=(7, payload), timeout=30)
-                assert got == [(7, zlib.crc32(payload))] * 2
-        assert proc.wait(30) == 0
-    finally:
-        end_process(proc)
+    with keyed_cluster(monkeypatch) as (ex, _):
+        bcast = ex._leader.bcast
+        for size in (protocol.PART_BYTES, 3 * protocol.PART_BYTES + 12345):
+            payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+            frames = [protocol.call_envelope(1, "crc", -1, 2), *codec.encode(((7, payload), {}))]
+            wire = bcast.wire(b"R", frames)
+            assert (len(wire) > len(frames) + 1) == (size > protocol.PART_BYTES)
+            got = ex.collective_rpc("crc", args=(7, payload), timeout=30)
+            assert got == [(7, zlib.crc32(payload))] * 2
 
 
 def test_part_counts_that_do_not_fit_their_parts_are_refused():
