@@ -382,6 +382,41 @@ def test_rings_left_at_other_doorbells_do_not_stop_a_wake_up():
                 end.close()
 
 
+def test_a_reader_out_of_file_descriptors_loses_no_message_and_still_wakes_the_writer():
+    """A reader that gives chunks back rings the waiting writer. Out of file
+    descriptors then (EMFILE), it must neither raise after the chunks are given
+    back (the caller's retry would take the next message: this one lost) nor
+    leave the writer asleep. Sabotage: make the ringers' sockets at the first
+    ring again (no ``connect`` at attach) → the receive raises OSError."""
+    import resource
+
+    writer = RingWriter.create(1, RingGeometry(256, 2), WaitPolicy(0, 0, 600))
+    reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 0, 600))
+    sent = []
+    t = threading.Thread(target=lambda: sent.append(writer.send([b"third"], timeout=30)))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        writer.send([b"first"])
+        writer.send([b"second"])  # the ring is full: the third send waits for a chunk
+        t.start()
+        wait_until(lambda: writer._i[ring._I_WWAIT], 10, "the writer never waited")
+        lowest = os.dup(0)  # the next descriptor's number: a limit of it leaves none
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        try:
+            got = [bytes(reader.recv(timeout=10)[0]) for _ in range(3)]
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        t.join(10)
+        assert got == [b"first", b"second", b"third"] and not t.is_alive()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        reader.abort()
+        t.join(10)
+        reader.close()
+        writer.close()
+
+
 def test_reader_index_cannot_be_attached_twice():
     writer = RingWriter.create(2, RingGeometry(256, 4))
     reader = RingReader.attach(writer.handle, 1)

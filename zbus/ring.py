@@ -219,6 +219,17 @@ class _Ring:
         finally:
             i[flag] = 0
 
+    def _open_bells(self, name: str, role: str, ringers: list[shm.Ringer]) -> None:
+        """Bind our doorbell and make the sockets of those we ring; on failure close
+        the mapping (nothing of this end is left)."""
+        try:
+            self._bell = shm.Doorbell(name, role)
+            for ringer in ringers:
+                ringer.connect()
+        except BaseException:
+            self._close_mapping()
+            raise
+
     def _close_mapping(self) -> None:
         if self._bell is not None:
             self._bell.close()
@@ -259,8 +270,8 @@ class RingWriter(_Ring):
         self.started = 0  # messages begun: each is finished, whatever cuts its send short
         self._min_read = 0
         self._reader_flags = [(_reader_off(r) + 8) // 4 for r in range(self.n_readers)]
-        self._bell = shm.Doorbell(self._bell_prefix + "w", "the writer")
         self._buf = seg.buf
+        self._open_bells(self._bell_prefix + "w", "the writer", self._reader_bells)
 
     def _refresh_min_read(self) -> int:
         q, i = self._q, self._i
@@ -441,7 +452,7 @@ class RingReader(_Ring):
         self._taken: list[memoryview] | None = None  # a small one read, its release cut short
         self._pool = BufferPool()
         self._buf = seg.buf
-        self._bell = shm.Doorbell(f"{self._bell_prefix}r{index}", f"reader {index}")
+        self._open_bells(f"{self._bell_prefix}r{index}", f"reader {index}", [self._writer_bell])
         self._poll = self._poll_core if _core is not None else None
         self._loan: shm.Loan | None = None
         self._copy_instead = 0  # large messages to copy before lending again

@@ -479,16 +479,22 @@ class Ringer:
         self._sock: socket.socket | None = None
         self._closed = False
 
-    def ring(self) -> None:
-        """Ring; a full queue (already rung), a missing waiter or a closed end is fine."""
-        sock = self._sock
-        if sock is None:
-            if self._closed:
-                return
-            sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    def connect(self) -> None:
+        """Make the socket now: an end makes those it rings at attach, so that no ring
+        fails later for want of a file descriptor (a reader rings after giving
+        chunks back: it could not raise then without losing the message)."""
+        if self._sock is None and not self._closed:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.setblocking(False)
+            self._sock = sock
+
+    def ring(self) -> None:
+        """Ring; a full queue (already rung), a missing waiter or a closed end is fine,
+        and so is a socket that cannot be made (the waiter wakes at its slice's end)."""
         try:
-            sock.sendto(b"!", self.address)
+            self.connect()
+            if self._sock is not None:
+                self._sock.sendto(b"!", self.address)
         except OSError:
             pass
 
