@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from conftest import wait_until
@@ -34,8 +35,16 @@ def errors_of_callers_blocked_at_shutdown(ex: zbus.Executor) -> dict[str, BaseEx
     threads.append(call("sending", "echo", args=(big,)))
     wait_until(lambda: ex._bcast.ring._i[ring._I_WWAIT] == 1, 30, "the sender blocked on the full ring")
     threads.append(call("queued", "noop"))
+    wait_until(lambda: waits_for_the_send_lock(threads[-1]), 30, "the third caller waited to send")
     ex.shutdown()
     for t in threads:
         t.join(60)
         assert not t.is_alive(), f"caller {t.name} still blocked after shutdown"
     return errors
+
+
+def waits_for_the_send_lock(t: threading.Thread) -> bool:
+    """Whether ``t`` is in ``collective_rpc``, waiting for the executor's send lock."""
+    frame = sys._current_frames().get(t.ident)
+    return (frame is not None and frame.f_code.co_name == "acquire" and frame.f_back is not None
+            and frame.f_back.f_code.co_name == "collective_rpc")

@@ -4,10 +4,12 @@ process and no socket file behind. Tests import worker classes from ``tests/work
 from __future__ import annotations
 
 import os
+import queue
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import psutil
@@ -188,6 +190,31 @@ def spawn_python(code: str, *args: str, **kwargs) -> psutil.Popen:
     env = dict(os.environ, PYTHONPATH=TEST_PATH)
     env.update(kwargs.pop("env", {}))
     return psutil.Popen([sys.executable, "-c", code, *args], env=env, **kwargs)
+
+
+_lines: dict[int, queue.SimpleQueue] = {}
+
+
+def next_line(proc: subprocess.Popen, deadline: float) -> str:
+    """The next line of ``proc``'s stdout (a pipe), "" at its end; AssertionError
+    once ``deadline`` (``time.monotonic()``) has passed. A thread reads the pipe,
+    so a process that goes silent cannot hold the test past the deadline."""
+    lines = _lines.get(proc.pid)
+    if lines is None:
+        lines = _lines[proc.pid] = queue.SimpleQueue()
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put("")  # the end
+        threading.Thread(target=read, name=f"lines of {proc.pid}", daemon=True).start()
+    try:
+        line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+        raise AssertionError(f"no line from process {proc.pid} in time") from None
+    if not line:
+        del _lines[proc.pid]
+    return line
 
 
 def end_process(proc: psutil.Popen, timeout: float = 10) -> None:

@@ -1289,7 +1289,7 @@ def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):
         wait_until(lambda: health.stat().st_mtime > first, 10, "the health file touched again")
         assert proc.poll() is None
         healthy = os.path.join(TEST_PATH.split(os.pathsep)[0], "nodes", "healthy.sh")
-        ok = subprocess.run([healthy, "15"], env=env)
+        ok = subprocess.run([healthy, "15"], env=env, timeout=30)
         assert ok.returncode == 0
     finally:
         proc.terminate()

@@ -210,9 +210,10 @@ def test_a_ring_carries_messages_between_ends_on_different_cores(monkeypatch, wr
         monkeypatch.setattr(ring, "_write_message", ring._write_message_py)
         monkeypatch.setattr(ring, "_store", ring._store_py)
     writer = RingWriter.create(2, RingGeometry(4096, 4))
+    readers = []
     try:
         handle = json.dumps(writer.handle.to_dict())
-        readers = start_readers(writer, 1, env={})
+        readers += start_readers(writer, 1, env={})
         readers += [spawn_python("import sys, ring_procs; ring_procs.check_reader(sys.argv[1], 1, 0.0)",
                                  handle, stdout=-1, env={"ZBUS_PURE_PYTHON": "1"})]
         from ring_procs import make_message
@@ -222,6 +223,8 @@ def test_a_ring_carries_messages_between_ends_on_different_cores(monkeypatch, wr
         results = collect(writer, readers)
     finally:
         writer.close()
+        for r in readers:
+            end_process(r)
     assert [(r["received"], r["out_of_sequence"], r["corrupted"]) for r in results] == [(600, 0, 0)] * 2
     assert results[0]["digest"] == results[1]["digest"]
 

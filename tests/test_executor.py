@@ -125,7 +125,7 @@ def test_a_future_settled_by_another_callers_reads_returns_at_once(ex):
     later = threading.Thread(target=ex.collective_rpc, args=("sleep",), kwargs={"args": (3,), "timeout": 30})
     later.start()
     try:
-        time.sleep(0.15)  # B holds the reply lock, reading call 1's replies on its way
+        wait_until(lambda: ex._recv_lock._owner == later.ident, 5, "B took the reply lock")
         start = time.monotonic()
         assert first.result(timeout=2) == [0, 1]
         took = time.monotonic() - start
@@ -969,7 +969,10 @@ def test_worker_class_in_driver_script_gets_a_clear_error():
         "class W(zbus.Worker):\n    pass\n"
         "try:\n    zbus.Executor(W)\nexcept TypeError as e:\n    print(e)\n",
         stdout=subprocess.PIPE)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        end_process(proc)
     assert b"defined in the driver script" in out
 
 
@@ -1211,8 +1214,13 @@ def driver_of_two_workers(setup: str, then: str, *argv: str) -> tuple[subprocess
         f"{setup}\n"
         "print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)\n"
         f"{then}\n", *argv, stdout=subprocess.PIPE, stdin=subprocess.PIPE)
-    workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
-    assert len(workers) == 2
+    try:
+        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2
+    except BaseException:  # (its workers end with it)
+        proc.kill()
+        end_process(proc)
+        raise
     return proc, workers
 
 
@@ -1235,11 +1243,15 @@ def test_workers_end_with_a_sigkilled_driver_whose_forked_child_lives_on():
         "    time.sleep(60)\n"
         "    os._exit(0)", "time.sleep(60)")
     child = [c for c in psutil.Process(proc.pid).children() if c.pid not in {w.pid for w in workers}]
-    assert len(child) == 1
     try:
+        assert len(child) == 1
         kill_driver(proc, workers)
     finally:
-        child[0].kill()
+        for c in child:
+            c.kill()
+        if proc.poll() is None:  # the test failed before it killed the driver
+            proc.kill()
+        end_process(proc)
         for w in workers:
             try:
                 w.kill()
@@ -1468,13 +1480,17 @@ def test_many_small_non_blocking_calls_do_not_deadlock_on_full_queues():
         assert [f.result() for f in futs[:3]] == [[0, 1], [10, 11], [20, 21]]
 
 
+@pytest.mark.timeout(180)
 def test_tensor_parallel_example_runs():
     pytest.importorskip("torch")
     example = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "tensor_parallel.py")
     proc = spawn_python(f"import runpy, sys; sys.argv = ['{example}', '--steps', '3']; "
                         f"sys.path.insert(0, '{os.path.dirname(example)}'); "
                         f"runpy.run_path('{example}', run_name='__main__')", stdout=subprocess.PIPE)
-    out, _ = proc.communicate(timeout=120)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        end_process(proc)
     assert proc.returncode == 0 and out.count(b"matches the single-process reference") == 3
 
 

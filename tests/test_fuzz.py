@@ -397,8 +397,15 @@ class LiveCluster:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuzz_leader.py")
         self.leader = subprocess.Popen([sys.executable, script, str(self.port)], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env, text=True)
-        ready = json.loads(self.leader.stdout.readline() or "{}")
-        assert "ready" in ready, "the leader did not start"
+        self.ctx = None
+        try:
+            ready = json.loads(self.leader.stdout.readline() or "{}")
+            assert "ready" in ready, "the leader did not start"
+        except BaseException:
+            self.leader.kill()
+            self.follower.terminate()  # (it removes its segments as it ends)
+            self.end()
+            raise
         self.base = self.peak = ready["ready"]["maxrss"]
         self.expected = ready["ready"]["dropped"]
         self.largest = 0
@@ -457,7 +464,8 @@ class LiveCluster:
         assert self.leader.wait(30) == 0
 
     def end(self) -> None:
-        self.ctx.destroy(linger=0)
+        if self.ctx is not None:
+            self.ctx.destroy(linger=0)
         for proc in (self.leader, self.follower):
             end_process(proc)
         self.log.close()

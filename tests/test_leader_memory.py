@@ -62,10 +62,25 @@ ctx.destroy(linger=5000)
 """
 
 
+_floods: list[subprocess.Popen] = []
+
+
 def flood(port: int, mode: str, count: int, size: int, *more: str) -> subprocess.Popen:
+    """A process that floods the leader; ended by pid after the test, however it ends."""
     env = dict(os.environ, PYTHONPATH=TEST_PATH)
-    return subprocess.Popen([sys.executable, "-c", FLOODER, str(port), mode, str(count), str(size), *more],
-                            env=env)
+    _floods.append(subprocess.Popen([sys.executable, "-c", FLOODER, str(port), mode, str(count), str(size),
+                                     *more], env=env))
+    return _floods[-1]
+
+
+@pytest.fixture(autouse=True)
+def _end_floods():
+    yield
+    while _floods:
+        sender = _floods.pop()
+        if sender.poll() is None:  # the test failed before it finished
+            sender.kill()
+        end_process(sender)
 
 
 class PeakRss:

@@ -13,7 +13,7 @@ import time
 import compose
 import psutil
 import pytest
-from conftest import TEST_PATH
+from conftest import TEST_PATH, next_line
 
 from zbus.netns import NetnsCluster, unavailable
 
@@ -54,7 +54,7 @@ def read_json(proc, timeout: float = 120) -> dict:
     """The driver's next JSON line, within ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+        line = next_line(proc, deadline)
         if not line:
             raise AssertionError(f"driver ended ({proc.wait(10)}) without output")
         if line.startswith("{"):

@@ -20,7 +20,7 @@ import warnings
 
 import psutil
 import pytest
-from conftest import TEST_PATH, describe, end_process, shm_used, zbus_segments
+from conftest import TEST_PATH, describe, end_process, next_line, shm_used, zbus_segments
 
 from zbus.netns import NetnsCluster, unavailable
 
@@ -68,7 +68,7 @@ class Engine:
     def event(self, name: str, timeout: float = 180) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+            line = next_line(self.proc, deadline)
             if not line:
                 raise AssertionError(f"the engine ended ({self.proc.wait(10)}) before {name!r}: "
                                      f"{self._tail()}")
