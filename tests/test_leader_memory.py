@@ -51,6 +51,8 @@ for i in range(count):
         seq = 10**6 + i if mode == "slowreply" else int(sys.argv[5])  # to calls never sent, or to one
         msg = [b"\x94\x01\xce" + seq.to_bytes(4, "big") + b"\x00\xdd" + (2 * k).to_bytes(4, "big")
                + b"\x00\xcc\x80" * k]
+    elif mode == "lists":    # no reply, under 64 KiB: a list of `size` empty lists (1 byte each)
+        msg = [b"\x92\xa2xx\xdd" + size.to_bytes(4, "big") + b"\x90" * size]
     elif mode == "joinmaps":  # small joins that decode into many dicts: `size` empty maps
         msg = codec.encode(["join", f"maps{i:06d}", {"host": "evil", "pad": [{}] * size}])
     try:
@@ -322,6 +324,38 @@ def test_a_reply_to_a_call_not_in_flight_is_dropped_before_it_is_decoded():
             assert sender.wait(60) == 0
             wait_until(lambda: ex._leader.dropped_by.get("unexpected-reply", 0) - before >= 10, 60,
                        "10 replies to calls never sent dropped")
+            time.sleep(2.5)  # a liveness period: a node whose heartbeats went unread is lost by now
+            ex.check_health()
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
+def test_small_messages_that_would_decode_into_millions_of_objects_stall_no_reader():
+    """600 messages to the leader's PULL port that are no reply, each under 64 KiB
+    and a list of 65000 empty lists: refused from the sizes the header declares,
+    before msgpack builds them (microseconds each), while calls with a 1 s timeout
+    are answered and the node (liveness 2 s) stays. Before, each was decoded (50-60
+    ms) and only then found too big, 256 in one pass of the thread reading the
+    socket: the caller holding it overran its timeout by seconds and heartbeats
+    went unread. Sabotage: estimate after decoding in ``DataPath._recv_control``
+    (as before) -> TimeoutError or NodeLostError."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with executor(port, liveness_s=2.0) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            before = ex._leader.dropped_by.get("too-big", 0)
+            sender = flood(port, "lists", 600, 65000)
+            calls = 0
+            while sender.poll() is None and calls < 1000:
+                assert ex.collective_rpc("rank_value", args=(1,), timeout=1.0) == [10, 11]
+                calls += 1
+            assert sender.wait(60) == 0
+            wait_until(lambda: ex._leader.dropped_by.get("too-big", 0) - before >= 600, 60,
+                       "600 messages refused")
+            print(f"{calls} calls answered during the flood")
             time.sleep(2.5)  # a liveness period: a node whose heartbeats went unread is lost by now
             ex.check_health()
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]

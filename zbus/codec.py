@@ -563,6 +563,12 @@ def _check_header(view: memoryview) -> None:
             _walk(data, limit - _negative_fixints(data))
         except IndexError:
             raise CodecError("truncated header") from None
+        except _OverBudget:
+            raise _too_many_objects(data) from None
+
+
+class _OverBudget(Exception):
+    """The walk's estimate passed its budget (it stops there)."""
 
 
 def _too_many_objects(header: bytes) -> CodecError:
@@ -580,16 +586,22 @@ def _negative_fixints(data: bytes) -> int:
     return _INT_OBJECT * (len(data) - len(data.translate(None, _NEGATIVE_FIXINTS)))
 
 
-def object_bytes(header: Any) -> int:
+def object_bytes(header: Any, most: int | None = None) -> int:
     """The estimate of what decoding a message whose first frame is ``header``
     builds as Python objects, in bytes (see OBJECTS_MIN), not counting its buffer
-    frames: for a receiver that keeps decoded messages and bounds them by bytes.
-    CodecError for a header decode would refuse."""
+    frames: for a receiver that keeps decoded messages and bounds them by bytes,
+    before it decodes them. Past ``most`` the walk stops and returns ``most + 1``
+    (a container's declared size counts when it opens: a small header that
+    declares many items costs microseconds to refuse). CodecError for a header
+    decode would refuse."""
     data = bytes(header)
+    ints = _negative_fixints(data)
     try:
-        return _negative_fixints(data) + _walk(data)
+        return ints + _walk(data, None if most is None else most - ints)
     except IndexError:
         raise CodecError("truncated header") from None
+    except _OverBudget:
+        return most + 1
 
 
 def _walk(data: bytes, budget: int | None = None) -> int:
@@ -600,7 +612,7 @@ def _walk(data: bytes, budget: int | None = None) -> int:
     slot of the tuple an extension makes of it), a dict 160 and 48 an entry, an
     int, float or short str of n bytes 48 + 2n, a longer str or bytes 56 + 2n,
     an extension 64 or more (``_EXT_OBJECT``: a tensor 1280); refuse the
-    header once that passes ``budget``. Returns the estimate."""
+    header once that passes ``budget`` (``_OverBudget``). Returns the estimate."""
     end, pos, fixed = len(data), 0, _FIXED
     left, body_end = 1, -1  # items left at this level; where its extension body ends
     stack: list[tuple[int, int]] = []
@@ -621,7 +633,7 @@ def _walk(data: bytes, budget: int | None = None) -> int:
                 raise CodecError("an extension body of the wrong length")
             if not stack:
                 if spent > budget:  # scalars after the last container
-                    raise _too_many_objects(data)
+                    raise _OverBudget
                 return spent
             left, body_end = stack.pop()
             continue
@@ -657,7 +669,7 @@ def _walk(data: bytes, budget: int | None = None) -> int:
         if len(stack) >= MAX_DEPTH:
             raise CodecError(f"maps, arrays and extension types nested deeper than {MAX_DEPTH}")
         if spent > budget:
-            raise _too_many_objects(data)
+            raise _OverBudget
         stack.append((left, body_end))
         left, body_end = items, inner_end
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_CONTROL_MESSAGE = 64 * 2**10
 
 PUMP_SLICE_S = 0.02  # a waiting caller reads the PULL socket in slices this long
+READ_PASS_S = 0.05  # and takes what it has for this long at most
 CALLERS_QUIET_S = 0.1  # the I/O thread reads the PULL socket once callers left it this long
 MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more are dropped
 # Messages ZeroMQ queues on the PULL socket for each connection (each worker and
@@ -443,14 +444,16 @@ class DataPath:
 
     def _read_pull(self, timeout_ms: int) -> None:
         """Take what the PULL socket has (waiting up to ``timeout_ms`` for the first
-        message), at most 256 messages, so the I/O thread's timers go on under a
-        flood. Replies and heartbeats are filed here; the rest is left to the I/O
-        thread, which handles it with the socket released (a handler may wait
-        for the XPUB socket, or run failure callbacks)."""
+        message), at most 256 messages or READ_PASS_S, so the I/O thread's timers
+        and a caller's deadline go on under a flood. Replies and heartbeats are
+        filed here; the rest is left to the I/O thread, which handles it with the
+        socket released (a handler may wait for the XPUB socket, or run failure
+        callbacks)."""
         if not self.pull.poll(timeout_ms, zmq.POLLIN):
             return
+        end = time.monotonic() + READ_PASS_S
         for _ in range(256):
-            if not self.pull.poll(0, zmq.POLLIN):
+            if not self.pull.poll(0, zmq.POLLIN) or time.monotonic() > end:
                 break
             msg = self._recv_control()
             if msg is None:
@@ -534,9 +537,14 @@ class DataPath:
                     self.drop(f"a message of {size} bytes that is no reply (others are at most "
                               f"{MAX_CONTROL_MESSAGE})", "too-big")
                     return None
+                # What it would build, estimated before msgpack builds it: a header of
+                # 64 KiB can make millions of empty lists (tens of ms a message).
+                self._msg_bytes = size + codec.object_bytes(frames[0], MAX_CONTROL_MESSAGE - size)
+                if self._msg_bytes > MAX_CONTROL_MESSAGE:
+                    self.drop(f"a message that would decode into more than {MAX_CONTROL_MESSAGE} bytes",
+                              "too-big")
+                    return None
                 msg = codec.decode(frames, self.max_reply)
-                if type(msg) is list and msg and type(msg[0]) is not int:  # not a reply: what it holds
-                    self._msg_bytes = size + codec.object_bytes(frames[0])
         except CodecError as e:
             self.drop(f"a malformed message from the network: {e}", "undecodable")
             return None
@@ -545,10 +553,6 @@ class DataPath:
             return None
         if type(msg) is not list or not msg:
             self.drop(f"a message of the wrong shape: {brief(msg)}", "shape")
-            return None
-        if type(msg[0]) is not int and self._msg_bytes > MAX_CONTROL_MESSAGE:
-            self.drop(f"a {brief(msg[0])} message that decodes into about {self._msg_bytes} "
-                      f"bytes (at most {MAX_CONTROL_MESSAGE})", "too-big")
             return None
         if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
             self.drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it",
