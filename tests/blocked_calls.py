@@ -43,8 +43,8 @@ def errors_of_callers_blocked_at_shutdown(ex: zbus.Executor) -> dict[str, BaseEx
     return errors
 
 
-def waits_for_the_send_lock(t: threading.Thread) -> bool:
-    """Whether ``t`` is in ``collective_rpc``, waiting for the executor's send lock."""
+def waits_for_the_send_lock(t: threading.Thread, where: str = "collective_rpc") -> bool:
+    """Whether ``t`` is in the function ``where``, waiting for the executor's send lock."""
     frame = sys._current_frames().get(t.ident)
     return (frame is not None and frame.f_code.co_name == "acquire" and frame.f_back is not None
-            and frame.f_back.f_code.co_name == "collective_rpc")
+            and frame.f_back.f_code.co_name == where)

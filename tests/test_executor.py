@@ -1658,3 +1658,55 @@ def test_worker_message_handling_byte_for_byte():
             protocol.read_envelope(bad[0])
         assert handle(worker, bad, replies, False)  # dropped: the worker serves on
     assert not sent
+
+
+def test_a_call_forgotten_while_the_completer_reads_it_gives_its_number_to_the_next_call_whole(monkeypatch):
+    """A non-blocking call is answered while a caller waits to send (its wait
+    drains the replies: its future completes once the send lock is let go), so
+    the completer, with that future undone, goes on to the call being sent. That
+    send is cut short before any rank got it: the call is forgotten and its
+    number is the next call's. The completer, had it read the forgotten call,
+    would take the next call's replies for it and pop the next call unanswered:
+    its caller got "executor is shut down" from a live executor. Sabotage: read
+    a head still being sent (drop ``if not head.sent`` in
+    ``Completer._read_heads``) -> that error."""
+    from blocked_calls import waits_for_the_send_lock
+
+    from zbus.errors import SendTimeout
+
+    with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
+        completer = ex._completer
+        monkeypatch.setattr(completer, "GRACE_S", 1.0)  # the first call is left to the drain
+        monkeypatch.setattr(completer, "SLICE_S", 5.0)  # a read of the head outlasts what follows
+        publish, later, got = ex._publish, [], {}
+
+        def call_next():
+            try:
+                got["value"] = ex.collective_rpc("rank_value", args=(2,), timeout=10)
+            except BaseException as e:  # noqa: BLE001 - the test shows it
+                got["error"] = e
+
+        def cut_short(frames, deadline, nodes_got):
+            """The call's wait to send drains the earlier call's replies (as ``on_full``
+            does), the completer turns to this call, and the send ends undelivered."""
+            if later:  # the next call: sent
+                return publish(frames, deadline, nodes_got)
+            wait_until(lambda: all(ex._receivers[r].poll(first.seq) for r in (0, 1)), 10, "replies in")
+            ex._drain_ready()
+            assert first._call not in ex._pending and not first.done()  # answered, its future not yet done
+            later.append(threading.Thread(target=call_next))
+            later[0].start()
+            wait_until(lambda: waits_for_the_send_lock(later[0]), 10, "the next caller waits to send")
+            wait_until(lambda: ex._recv_lock._owner == completer._thread.ident
+                       or waits_for_the_send_lock(completer._thread, "_take"), 10,
+                       "the completer turned to the call being sent")
+            raise SendTimeout("send timed out", queued=False)
+
+        first = ex.collective_rpc("rank_value", args=(1,), non_block=True)
+        monkeypatch.setattr(ex, "_publish", cut_short)
+        with pytest.raises(TimeoutError, match="timed out sending"):
+            ex.collective_rpc("noop", timeout=10)
+        later[0].join(15)
+        assert got == {"value": [20, 21]}
+        assert first.result(0) == [10, 11]
+        assert ex.collective_rpc("rank_value", args=(3,), timeout=10) == [30, 31]

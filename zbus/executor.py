@@ -62,7 +62,7 @@ class Call:
     which fails with TimeoutError at the call's ``deadline`` if it has one."""
 
     __slots__ = ("executor", "seq", "reply_ranks", "unique", "replies", "started", "outcome", "future",
-                 "deadline", "due", "expired")
+                 "deadline", "due", "expired", "sent")
 
     def __init__(self, executor: Executor, seq: int, reply_ranks: Sequence[int], unique: bool,
                  future: RpcFuture | None = None, deadline: float | None = None,
@@ -78,6 +78,7 @@ class Call:
         self.deadline = deadline  # a non-blocking call's: its future fails then
         self.due = due  # the caller's deadline, blocking or not
         self.expired = False  # its future's TimeoutError is queued
+        self.sent = False  # its send returned: it can no longer be forgotten, its number reused
         if future is not None:
             future._call, future.seq, future.reply_ranks = self, seq, self.reply_ranks
 
@@ -724,9 +725,11 @@ class Completer:
                 self._flush(ex)
             elif ex._recv_lock.acquire(timeout=self.SLICE_S):
                 try:
-                    self._read_heads(ex)
+                    sending = self._read_heads(ex)
                 finally:
                     ex._recv_lock.release()
+                if sending and ex._send_lock.acquire(timeout=self.SLICE_S):  # until it is sent
+                    ex._send_lock.release()
         except Exception as e:  # noqa: BLE001 - failed or closed: the futures get the error
             if not isinstance(e, ExecutorFailedError):
                 e = ExecutorFailedError(f"completing calls failed: {type(e).__name__}: {e}")
@@ -754,19 +757,25 @@ class Completer:
         finally:
             ex._send_lock.release()
 
-    def _read_heads(self, ex: MultiprocExecutor) -> None:
+    def _read_heads(self, ex: MultiprocExecutor) -> bool:
         """Complete the pending calls in order, holding the reply lock, until one
-        has a future (it completes once the lock is released) or a caller waits. A
-        method of its own: the call it read must not outlive it in ``_run``'s frame."""
+        has a future (it completes once the lock is released) or a caller waits;
+        True where the head is still being sent. A call whose send is cut short
+        before any rank got it is forgotten and its number is the next call's: its
+        replies, read meanwhile, would be that call's. A method of its own: the
+        call it read must not outlive it in ``_run``'s frame."""
         while self._undone > 0 and not self._stopped and ex._pending and not self._callers:
             head = ex._pending[0]
+            if not head.sent:
+                return True
             try:
                 ex._complete_head(time.monotonic() + self.SLICE_S)
             except TimeoutError:
                 ex._on_wait_slice()
-                return
+                return False
             if head.future is not None:
-                return
+                return False
+        return False
 
 
 class MultiprocExecutor(Executor):
@@ -976,6 +985,7 @@ class MultiprocExecutor(Executor):
             started = ring.started if ring is not None else 0
             try:
                 self._publish(frames, deadline, nodes_got)
+                call.sent = True
             except BaseException as e:  # its deadline, a shutdown, Ctrl-C in a wait to send
                 got = ([ring.started > started] if ring is not None else []) + (
                     nodes_got if self._leader is not None else [])
@@ -1018,13 +1028,14 @@ class MultiprocExecutor(Executor):
         one every rank got is answered as any other (a send past its deadline may
         still be delivered). One that only some got fails the executor: its ranks
         would not agree on the calls."""
+        if not any(got):  # (no reader read it: see Completer._read_heads)
+            self._pending.pop()
+            self._seq -= 1
+            return
+        call.sent = True
         if all(got):
             if self._bcast.ring is not None and self._bcast.ring.pending:
                 self._completer.flush_soon()
-            return
-        if not any(got):
-            self._pending.pop()
-            self._seq -= 1
             return
         self.failure.fail(ExecutorFailedError(
             f"call {call.seq} reached only some ranks: its send was cut short ({type(error).__name__})"))
