@@ -1710,3 +1710,43 @@ def test_a_call_forgotten_while_the_completer_reads_it_gives_its_number_to_the_n
         assert got == {"value": [20, 21]}
         assert first.result(0) == [10, 11]
         assert ex.collective_rpc("rank_value", args=(3,), timeout=10) == [30, 31]
+
+
+def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_the_rings(tmp_path):
+    """Ctrl-C while the shutdown waits for a worker stuck in a call (deaf to
+    SIGTERM): the workers are killed at once, the pending call fails, the rings
+    and queues are closed, and the KeyboardInterrupt reaches the caller. A later
+    shutdown returns at once, so the first must finish every step. Before, the
+    interrupt skipped every step after the wait: the workers ran on, the pending
+    future never completed, the rings stayed mapped. Sabotage: run the shutdown's
+    steps one after the other again (no ``finally``) in
+    ``MultiprocExecutor._shut_down_once`` -> the future is not done."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    pids = [p["pid"] for p in ex.collective_rpc("whoami", timeout=30)]
+    marker = str(tmp_path / "in")
+    stuck = ex.collective_rpc("stubborn_sleep_marked", args=(marker, 60), non_block=True)
+    wait_until(lambda: all(os.path.exists(f"{marker}.{r}") for r in (0, 1)), 30, "both workers in the call")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)  # the shutdown waits 5 s for the stuck workers
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ex.shutdown()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        ex.shutdown()  # returns at once: the first shutdown ran
+    assert stuck.done() and isinstance(stuck.exception(0), zbus.ZbusError)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    rings = [ex._bcast.ring, *(rx.ring for rx in ex._receivers[:2])]
+    assert all(_released(r._q) for r in rings), "a ring is still mapped"
+
+
+def _released(view: memoryview) -> bool:
+    try:
+        return view.nbytes < 0
+    except ValueError:  # "operation forbidden on released memoryview object"
+        return True

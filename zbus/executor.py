@@ -1203,19 +1203,24 @@ class MultiprocExecutor(Executor):
         if not sending:  # a caller is blocked sending: cancel it, it raises ZbusError
             self.failure.cancel_waits()
             sending = self._send_lock.acquire(timeout=5.0)
-        try:  # holding the send lock: no new call starts (callers re-check _closed)
+        # Holding the send lock: no new call starts (callers re-check _closed). Every
+        # step runs whatever cut the one before short (Ctrl-C in the wait for the
+        # workers): a later shutdown returns at once, so this one is the only one.
+        try:
             self._stop_workers(sending)
-            self._wake_callers()
-            receiving = own_recv or self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
-            try:
-                self._free()
-            finally:
-                if receiving and not own_recv:
-                    self._recv_lock.release()
         finally:
-            if sending and not own_send:
-                self._send_lock.release()
-            self._run_completions()  # the pending calls' futures fail now, every step done
+            try:
+                self._wake_callers()
+                receiving = own_recv or self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
+                try:
+                    self._free()
+                finally:
+                    if receiving and not own_recv:
+                        self._recv_lock.release()
+            finally:
+                if sending and not own_send:
+                    self._send_lock.release()
+                self._run_completions()  # the pending calls' futures fail now, every step done
 
     def _fail_pending(self, error: Exception) -> None:
         """Settle every pending call with ``error``; the caller then completes their

@@ -202,14 +202,19 @@ class LocalWorkers:
 
     def stop(self, grace: float = 5.0, term_s: float = 2.0) -> None:
         """Workers were asked to stop: wait ``grace``, then SIGTERM and ``term_s``,
-        then SIGKILL."""
+        then SIGKILL; cut short (Ctrl-C), SIGKILL at once."""
         self.stopping = True
-        if not self.wait(grace):
-            for p in self.procs:
-                self._signal(p, signal.SIGTERM)
-            if not self.wait(term_s):
-                self.kill()
-        self.close()
+        try:
+            if not self.wait(grace):
+                for p in self.procs:
+                    self._signal(p, signal.SIGTERM)
+                if not self.wait(term_s):
+                    self.kill()
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            self.close()
         shm.unlink_prefixed(self._shm_prefix)
 
     def kill(self) -> None:
