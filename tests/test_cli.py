@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
+from conftest import end_process, next_line, wait_until
 
 HELP = {
     None: ["demo", "follower", "keygen", "status", "bench", "--log-level"],
@@ -35,3 +40,54 @@ def test_keygen_makes_the_folders(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == [str(tmp_path / "k" / n)
                                                          for n in ("leader", "node-1", "node-2")]
+
+
+def test_sigterm_ends_the_demo_with_its_followers_and_removes_its_keys(tmp_path):
+    """SIGTERM to ``zbus demo`` (a CI job cancelled, ``timeout``, ``docker stop``)
+    once its cluster is up: it exits 143, its followers and every worker end, and
+    its key folder (the secret keys of the leader and nodes) is gone. Before, the
+    signal ended the demo on the spot: the followers ran on until their leader was
+    lost and the keys stayed in /tmp. Sabotage: no SIGTERM handler in
+    ``zbus.cli.main`` -> exit -15, keys left."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), ZBUS_NPROC_PER_NODE="1")
+    demo = psutil.Popen([sys.executable, "-m", "zbus.cli", "demo", "--steps", "1000000"], env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while "ready in" not in (line := next_line(demo, deadline)):
+            assert line, "the demo ended before its cluster was ready"
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("zbus-demo-keys-")]
+        procs = demo.children(recursive=True)
+        assert len(procs) >= 4  # two followers, a worker each, the leader's own worker
+        demo.terminate()
+        assert demo.wait(30) == 143
+        assert psutil.wait_procs(procs, timeout=15)[1] == []
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("zbus-demo-keys-")]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        end_process(demo)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
+def test_a_follower_that_is_pid_1_of_its_container_ends_on_sigterm(tmp_path):
+    """A follower run as a container's command is PID 1 of its PID namespace, which
+    the kernel sends no signal it has no handler for: without one, ``docker stop``
+    waited out its grace period and SIGKILLed it. Sabotage: no SIGTERM handler in
+    ``zbus.cli.main`` -> still running 10 s after SIGTERM."""
+    from zbus.cluster import free_port_pair
+
+    health = tmp_path / "health"  # touched at each try to join: its handler is in place by then
+    env = dict(os.environ, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(free_port_pair()),
+               ZBUS_HEALTH_FILE=str(health))
+    outer = psutil.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-m", "zbus.cli",
+                          "follower", "--join-timeout", "60"], env=env, stderr=subprocess.DEVNULL)
+    try:
+        agent = wait_until(lambda: outer.children(), 10, "the follower started")[0]
+        wait_until(health.exists, 30, "the follower trying to join")
+        agent.terminate()
+        assert outer.wait(15) == 143  # (unshare exits with its child's status)
+    finally:
+        if outer.poll() is None:
+            outer.kill()
+        end_process(outer)

@@ -1235,6 +1235,24 @@ def test_a_node_that_gives_up_tells_the_leader_why():
         assert "malformed call from the leader" in str(error), str(error)
 
 
+def test_a_follower_stopped_by_sigterm_ends_its_workers_and_tells_the_leader():
+    """SIGTERM to node 2's agent (``docker stop``): it ends its worker and tells the
+    leader it left, so the executor fails at once with that reason, not a
+    liveness limit later with "no heartbeat"; the agent exits 143. Before, the
+    signal ended the agent on the spot. Sabotage: no SIGTERM handler in
+    ``zbus.cli.main`` -> the agent exits -15 and the error says "no heartbeat"."""
+    with leader_and_two_followers() as (ex, procs, node2):
+        t0 = time.monotonic()
+        procs[1].terminate()
+        assert procs[1].wait(15) == 143
+        assert psutil.wait_procs(node2, timeout=10)[1] == []  # its worker ended with it
+        wait_until(lambda: ex.failure.error is not None, 10, "the executor failing")
+        error = ex.failure.error
+        print(f"failed {time.monotonic() - t0:.2f} s after SIGTERM: {error}")
+        assert isinstance(error, zbus.NodeLostError) and error.node_rank == 2, repr(error)
+        assert "stopped (SIGTERM" in str(error), str(error)
+
+
 @contextlib.contextmanager
 def leader_and_two_followers():
     """A leader and followers 1 and 2, one worker each: (executor, the follower

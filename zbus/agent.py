@@ -7,7 +7,9 @@ them. Workers answer the leader directly over their own PUSH sockets.
 
 Exit codes: 0 after the leader's ``bye`` or ``failed`` (the executor failed); 1
 when the leader was lost (no message for the liveness limit), this node was
-refused, or it could not start; 2 for a command line that does not parse.
+refused, or it could not start; 2 for a command line that does not parse; 143
+after SIGTERM (``zbus.cli`` makes it a SystemExit: the agent cleans up and tells
+the leader).
 """
 
 from __future__ import annotations
@@ -213,6 +215,10 @@ class NodeAgent:
             if welcomed:  # the leader learns why now, not at a liveness or join limit
                 self._tell_leader(why[:500])
             return 1
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM (see zbus.cli)
+            if welcomed:
+                self._tell_leader("the node agent was stopped (SIGTERM or Ctrl-C)")
+            raise
         finally:
             self._close()
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -203,7 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    _exit_on_sigterm()
     return args.func(args)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (``docker stop``, a pod's deletion, ``timeout``) raises SystemExit, so
+    that each command cleans up as it does on Ctrl-C: a follower ends its workers
+    and tells its leader, the demo ends its followers and removes its keys. As PID
+    1 of a container a process without a handler would not see SIGTERM at all."""
+    def exit_143(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signal.SIGTERM)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, exit_143)
 
 
 if __name__ == "__main__":

@@ -100,15 +100,19 @@ class _Progress:
             print(f"{self.label}: {done}/{self.total} {note}", file=self.out, flush=True)
 
 
-def _start_local_followers(nnodes: int, nproc: int, port: int, keys: str | None) -> list[Any]:
+def _start_local_followers(followers: list[Any], nnodes: int, nproc: int, port: int,
+                           keys: str | None) -> None:
+    """Start ``zbus follower`` for node ranks 1..nnodes-1 into ``followers`` (each
+    there as soon as it started: the caller ends them however this ends)."""
     import subprocess
 
     env = dict(os.environ, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
                ZBUS_NPROC_PER_NODE=str(nproc))
     env.pop("ZBUS_CURVE_DIR", None)
     key_args = lambda r: ["--curve-dir", os.path.join(keys, f"node-{r}")] if keys else []  # noqa: E731
-    return [subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", str(r),
-                              *key_args(r)], env=env, stdin=subprocess.DEVNULL) for r in range(1, nnodes)]
+    for r in range(1, nnodes):
+        followers.append(subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank",
+                                           str(r), *key_args(r)], env=env, stdin=subprocess.DEVNULL))
 
 
 def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, master_addr: str | None = None,
@@ -127,25 +131,25 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
     local = nnodes is None
     followers: list[Any] = []
     keys = curve_dir = None
-    if local:  # a whole cluster here, its links keyed with fresh CurveZMQ keys
-        import tempfile
+    try:  # (Ctrl-C or SIGTERM anywhere: the followers end, the keys go)
+        if local:  # a whole cluster here, its links keyed with fresh CurveZMQ keys
+            import tempfile
 
-        import zmq
+            import zmq
 
-        nnodes, master_addr = 3, "127.0.0.1"
-        master_port = free_port_pair(master_addr)
-        if zmq.has("curve"):
-            from .curve import keygen
+            nnodes, master_addr = 3, "127.0.0.1"
+            master_port = free_port_pair(master_addr)
+            if zmq.has("curve"):
+                from .curve import keygen
 
-            keys = tempfile.mkdtemp(prefix="zbus-demo-keys-")
-            keygen(keys, nnodes - 1)
-            curve_dir = os.path.join(keys, "leader")
-        followers = _start_local_followers(nnodes, nproc_per_node, master_port, keys)
-    say(f"zbus demo: {nnodes} nodes x {nproc_per_node} workers, a transformer block "
-        f"(dim {DIM}, {HEADS} heads) sharded over {nnodes * nproc_per_node} ranks")
-    t0 = time.perf_counter()
-    forming = _Progress(out, "nodes joined", nnodes)
-    try:
+                keys = tempfile.mkdtemp(prefix="zbus-demo-keys-")
+                keygen(keys, nnodes - 1)
+                curve_dir = os.path.join(keys, "leader")
+            _start_local_followers(followers, nnodes, nproc_per_node, master_port, keys)
+        say(f"zbus demo: {nnodes} nodes x {nproc_per_node} workers, a transformer block "
+            f"(dim {DIM}, {HEADS} heads) sharded over {nnodes * nproc_per_node} ranks")
+        t0 = time.perf_counter()
+        forming = _Progress(out, "nodes joined", nnodes)
         with Executor(TransformerShardWorker, on_join=lambda joined, total: forming.update(joined),
                       nnodes=nnodes, nproc_per_node=nproc_per_node,
                       master_addr=master_addr, master_port=master_port, metrics_port=metrics_port,
@@ -157,14 +161,26 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
             f.wait(30)
         return 0 if ok else 1
     finally:
-        for f in followers:
-            if f.poll() is None:
-                f.kill()
-                f.wait()
+        _end_followers(followers)
         if keys:
             import shutil
 
             shutil.rmtree(keys, ignore_errors=True)
+
+
+def _end_followers(followers: list[Any]) -> None:
+    """SIGTERM (each ends its workers and leaves), then SIGKILL what is left 10 s later."""
+    import subprocess
+
+    for f in followers:
+        if f.poll() is None:
+            f.terminate()
+    for f in followers:
+        try:
+            f.wait(10)
+        except subprocess.TimeoutExpired:
+            f.kill()
+            f.wait()
 
 
 def _drive(ex: Any, steps: int, say: Any, progress: _Progress, torch: Any) -> bool:
