@@ -1253,6 +1253,39 @@ def test_a_follower_stopped_by_sigterm_ends_its_workers_and_tells_the_leader():
         assert "stopped (SIGTERM" in str(error), str(error)
 
 
+def test_a_caller_waiting_to_send_when_the_executor_fails_sends_nothing():
+    """A caller waits for the send lock (another caller sends) while node 2's worker
+    dies: once it has the lock it raises the failure and sends nothing. Before,
+    only a shutdown was checked there: the call went to the nodes, whose ranks ran
+    one call more after the failure. Sabotage: no ``raise_if_failed`` after the
+    send lock in ``collective_rpc`` -> the call is numbered and sent."""
+    with leader_and_two_followers() as (ex, procs, node2):
+        assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
+        seq = ex._seq
+        outcome: list = []
+
+        def call():
+            try:
+                outcome.append(ex.collective_rpc("rank_value", args=(2,), timeout=30))
+            except BaseException as e:  # noqa: BLE001 - the test checks the type
+                outcome.append(e)
+
+        assert ex._send_lock.acquire(timeout=10)  # as a caller that sends
+        try:
+            t = threading.Thread(target=call)
+            t.start()
+            from blocked_calls import waits_for_the_send_lock
+
+            wait_until(lambda: waits_for_the_send_lock(t), 10, "the caller waiting to send")
+            node2[1].kill()
+            wait_until(lambda: ex.failure.error is not None, 10, "the executor failing")
+        finally:
+            ex._send_lock.release()
+        t.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], zbus.WorkerDiedError), outcome
+        assert ex._seq == seq, "the call was numbered and sent after the failure"
+
+
 @contextlib.contextmanager
 def leader_and_two_followers():
     """A leader and followers 1 and 2, one worker each: (executor, the follower

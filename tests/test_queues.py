@@ -25,7 +25,7 @@ from conftest import spawn_python, wait_until, zbus_segments
 from peer_procs import digest
 
 from zbus import ZbusError, codec
-from zbus.errors import SendTimeout
+from zbus.errors import Cancelled, SendTimeout
 from zbus.queues import Broadcaster, ReplySender, ZmqReceiver, ZmqSender, bind, deadline_of, send_frames
 from zbus.ring import RingReader
 
@@ -755,3 +755,34 @@ def test_ipv6_loopback_queue(ctx):
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_reply_waiting_for_room_gives_up_when_its_sender_closes(ctx):
+    """A worker's reply thread waits to send to a leader that reads nothing (its
+    queue full) while the worker ends and closes the sender: the put raises
+    Cancelled and close then closes a socket no thread uses. Before, the put
+    waited on (no timeout, nothing to stop it), close gave up on the socket's
+    lock after 2 s and closed the socket under the send (ZeroMQ's sockets are not
+    thread-safe: an error or an abort). Sabotage: no ``cancel`` in
+    ``ReplySender.put`` -> the put ends with ZMQError, not Cancelled."""
+    with socket.socket() as nobody:
+        nobody.bind((HOST, 0))  # refused connections: nothing is ever sent
+        tx = ReplySender(f"tcp://{HOST}:{nobody.getsockname()[1]}", ctx=ctx, hwm=1)
+        outcome: list = []
+
+        def fill():
+            try:
+                for i in range(1, 100):
+                    tx.put([0, i, 0, "x"])
+                outcome.append("all queued")
+            except BaseException as e:  # noqa: BLE001 - the test checks the type
+                outcome.append(e)
+
+        t = threading.Thread(target=fill)
+        t.start()
+        try:
+            wait_until(lambda: tx._lock.locked() and len(tx._kept) >= 1, 10, "a put waiting for room")
+        finally:
+            tx.close(linger_s=0)
+            t.join(10)
+    assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], Cancelled), outcome

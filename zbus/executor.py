@@ -972,6 +972,7 @@ class MultiprocExecutor(Executor):
         try:
             if self._closed:  # shut down while this caller waited for the lock
                 raise ZbusError("executor is shut down")
+            self.failure.raise_if_failed()  # or failed: the nodes must not run one call more
             payload = codec.encode((tuple(args), kwargs or {})) if args or kwargs else [protocol.NO_ARGS]
             self._seq += 1
             frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,

@@ -390,15 +390,16 @@ class ZmqSender:
     def put(self, obj: Any, timeout: float | None = None) -> None:
         self.put_frames(codec.encode(obj), timeout)
 
-    def put_frames(self, frames: Sequence[Any], timeout: float | None = None) -> None:
+    def put_frames(self, frames: Sequence[Any], timeout: float | None = None, cancel: Any = None) -> None:
         """Send one message; CodecError, sending nothing, if it is over the reader's
-        limit (the reader would drop it, with the connection if one frame is over)."""
+        limit (the reader would drop it, with the connection if one frame is over);
+        Cancelled once ``cancel`` (an Event) is set while it waits."""
         if self.max_bytes is not None:
             size = sum(memoryview(f).nbytes for f in frames)
             if size > self.max_bytes:
                 raise CodecError(f"a message of {size} bytes is over the {self.max_bytes} bytes the "
                                  "leader takes (ZBUS_MAX_REPLY on the leader)")
-        send_frames(self.sock, frames, deadline_of(timeout), "response send")
+        send_frames(self.sock, frames, deadline_of(timeout), "response send", cancel)
 
     def close(self, linger_s: float = 1.0) -> None:
         """Close, giving queued replies ``linger_s`` to leave."""
@@ -437,11 +438,13 @@ class ReplySender(ZmqSender):
 
     def put(self, obj: Any, timeout: float | None = None) -> None:
         """Send a reply ``[rank, seq, status, value]`` and keep a copy of it (a call's,
-        ``seq`` > 0) until :meth:`ack` says the driver has it."""
+        ``seq`` > 0) until :meth:`ack` says the driver has it. A put waiting for room
+        when :meth:`close` begins raises Cancelled: close must not close the socket
+        under a send."""
         frames = codec.encode(obj)
         seq = obj[1] if type(obj) is list and len(obj) == 4 and type(obj[1]) is int else 0
         with self._lock:
-            self.put_frames(frames, timeout)
+            self.put_frames(frames, timeout, self._closing)
             if seq > 0:
                 kept = [f if type(f) is bytes else bytes(f) for f in frames]
                 size = sum(len(f) for f in kept)
@@ -481,7 +484,7 @@ class ReplySender(ZmqSender):
             self.sent_again += len(self._kept)
 
     def close(self, linger_s: float = 1.0) -> None:
-        self._closing.set()  # a send again waiting for room gives up (within 0.1 s)
+        self._closing.set()  # a put or send again waiting for room gives up (within 0.1 s)
         locked = self._lock.acquire(timeout=2.0)
         try:
             self.sock.disable_monitor()  # the monitor thread gets MONITOR_STOPPED and ends
