@@ -91,3 +91,32 @@ def test_a_follower_that_is_pid_1_of_its_container_ends_on_sigterm(tmp_path):
         if outer.poll() is None:
             outer.kill()
         end_process(outer)
+
+
+def test_settings_left_empty_count_as_unset_and_bad_flags_are_usage_errors():
+    """An empty ``ZBUS_*`` counts as unset (as the docs say): ``ZBUS_JOIN_TIMEOUT=""``
+    made every command, ``--help`` included, a ValueError traceback, and empty
+    ring or wait settings refused. ``--join-timeout nan`` (a join retried for
+    ever) and a misspelt ``--log-level`` are usage errors (exit 2); a misspelt
+    ``ZBUS_LOG_LEVEL`` a warning. Sabotage: the join timeout's default parsed
+    from the environment when the parser is built -> exit 1."""
+    empty = {n: "" for n in ("ZBUS_JOIN_TIMEOUT", "ZBUS_RING", "ZBUS_SPIN_US", "ZBUS_YIELD_US",
+                             "ZBUS_WAIT_SLICE", "ZBUS_MAX_MESSAGE", "ZBUS_MAX_REPLY")}
+    env = dict(os.environ, **empty)
+    out = subprocess.run([sys.executable, "-m", "zbus.cli", "status", "--help"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-c", "from zbus import cluster, codec, config; "
+                          "print(config.RingGeometry.from_env(True), config.WaitPolicy.from_env().slice_s, "
+                          "codec.MAX_MESSAGE, cluster.max_reply())"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.split() == [
+        "RingGeometry(chunk_bytes=1048576,", "n_chunks=32)", "0.5", str(4 * 2**30), str(256 * 2**20)], out
+    for flags in (["follower", "--join-timeout", "nan"], ["--log-level", "verbose", "status"]):
+        out = subprocess.run([sys.executable, "-m", "zbus.cli", *flags], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (flags, out.stderr)
+    out = subprocess.run([sys.executable, "-m", "zbus.cli", "status", "--master-port", "1", "--timeout",
+                          "0.2"], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, ZBUS_LOG_LEVEL="verbose"))
+    assert out.returncode == 1 and "log level 'VERBOSE' unknown" in out.stderr, out.stderr

@@ -494,12 +494,13 @@ def test_torch_rendezvous_port_comes_from_the_port_range(monkeypatch):
 
 
 def test_status_of_a_running_leader_and_its_prometheus_metrics():
+    """Sabotage: the follower's core not sent when it joins (or not shown) → its node
+    says "unknown"; ``zbus status`` exits 0 for a failed executor, or catches only
+    TimeoutError (a name that does not resolve: a traceback)."""
     import json
     import os
     import urllib.request
 
-    """Sabotage: the follower's core not sent when it joins (or not shown) → its node
-    says "unknown"."""
     port, metrics_port = free_port_pair(), free_port_pair()
     proc = follower(port, "--node-rank", "1", env={"ZBUS_PURE_PYTHON": "1"})  # this node's core: python
     try:
@@ -522,11 +523,19 @@ def test_status_of_a_running_leader_and_its_prometheus_metrics():
             assert f"ranks 0..0  core {zbus.ring.CORE}" in text and "ranks 1..1  core python" in text
             body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
             assert b"zbus_rpcs_total 21" in body and b'zbus_rpc_errors_total{kind="RemoteError"} 1' in body
+            psutil.Process(proc.pid).children()[0].kill()  # node 1's worker: the executor fails
+            wait_until(lambda: ex.failure.error is not None, 10, "the executor failing")
+            failed = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+            assert failed.returncode == 1 and "FAILED" in failed.stdout, failed  # (a health check sees it)
         assert proc.wait(30) == 0
         gone = subprocess.run([sys.executable, "-m", "zbus.cli", "status", "--master-addr", "127.0.0.1",
                                "--master-port", str(port), "--timeout", "1"], capture_output=True,
                               text=True, timeout=60)
         assert gone.returncode == 1 and "no leader answered" in gone.stderr
+        nameless = subprocess.run([sys.executable, "-m", "zbus.cli", "status", "--master-addr",
+                                   "no-such-host.invalid", "--timeout", "1"], capture_output=True,
+                                  text=True, timeout=60)
+        assert nameless.returncode == 1 and "Traceback" not in nameless.stderr, nameless.stderr
     finally:
         end_process(proc)
 

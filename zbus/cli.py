@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -24,10 +25,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _follower(args: argparse.Namespace) -> int:
     from .agent import NodeAgent
+    from .config import _number
 
+    join_timeout = args.join_timeout or _number("ZBUS_JOIN_TIMEOUT", 300.0, positive=True)
     return NodeAgent(master_addr=args.master_addr, master_port=args.master_port,
                      nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
-                     advertise_addr=args.advertise_addr, join_timeout=args.join_timeout,
+                     advertise_addr=args.advertise_addr, join_timeout=join_timeout,
                      allow_import_calls=args.allow_import_calls, curve_dir=args.curve_dir,
                      allowed_workers=tuple(args.allow_worker), secret_file=args.secret_file).run()
 
@@ -37,21 +40,30 @@ def _status(args: argparse.Namespace) -> int:
 
     from .cluster import ClusterSettings, query_status
     from .curve import curve_dir_from_env, secret_from_env
+    from .errors import ZbusError
 
     s = ClusterSettings.resolve(master_addr=args.master_addr, master_port=args.master_port)
     try:
         secret = None if args.curve_dir else secret_from_env(path=args.secret_file)
         status = query_status(s.master_addr, s.master_port, args.timeout, curve_dir_from_env(args.curve_dir),
                               secret)
-    except TimeoutError as e:
+    except (TimeoutError, ZbusError) as e:
         print(f"zbus status: {e}. Is the leader running, and are --master-addr/--master-port "
               "its address and first port?", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(status, indent=1))
-        return 0
-    print(format_status(status))
-    return 0
+    print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 1 if status["failed"] else 0  # (a health check sees a failed executor)
+
+
+def _seconds(text: str) -> float:
+    """A flag's time in seconds: a finite number above 0 (``nan`` would never end)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of seconds")
+    return value
 
 
 def format_status(st: dict) -> str:
@@ -91,8 +103,9 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zbus", description=(
         "zbus: collective RPC for multi-node GPU programs over shared memory and ZeroMQ."))
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: "
-                        "$ZBUS_LOG_LEVEL or WARNING)")
+    parser.add_argument("--log-level", default=None, type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="DEBUG, INFO, WARNING, ERROR, CRITICAL (default: $ZBUS_LOG_LEVEL or WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="run a tensor-parallel model on a cluster", description=(
         "With no --nnodes: start a whole cluster here (this process leads, two follower "
@@ -134,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "default: given in join order)")
     fol.add_argument("--advertise-addr", default=None,
                      help="the address to report (default: the one that routes to the leader)")
-    fol.add_argument("--join-timeout", type=float, default=float(os.environ.get("ZBUS_JOIN_TIMEOUT", 300)),
+    fol.add_argument("--join-timeout", type=_seconds, default=None,
                      help="seconds to wait for the leader (ZBUS_JOIN_TIMEOUT, default 300)")
     fol.add_argument("--allow-import-calls", action="store_true",
                      default=os.environ.get("ZBUS_ALLOW_IMPORT_CALLS") == "1",
@@ -168,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--master-port", type=int, default=None,
                         help="the leader's first port (ZBUS_MASTER_PORT, default 29650)")
     status.add_argument("--json", action="store_true", help="print JSON")
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default 10)")
+    status.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait (default 10)")
     status.add_argument("--curve-dir", default=None, help="a node key folder, when the leader uses keys")
     status.add_argument("--secret-file", default=None, help="the cluster secret's file (ZBUS_SECRET_FILE, "
                         "ZBUS_SECRET), when the leader uses one")

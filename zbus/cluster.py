@@ -60,7 +60,7 @@ def max_reply() -> int:
     the nodes, whose workers answer a call with that error rather than send a
     bigger reply. Bigger values belong in shared storage, not on the leader's socket."""
     value = os.environ.get("ZBUS_MAX_REPLY")
-    limit = int(value) if value else MAX_REPLY_DEFAULT
+    limit = int(value) if value else MAX_REPLY_DEFAULT  # (empty: unset)
     if limit <= 0:
         raise ValueError(f"ZBUS_MAX_REPLY must be positive, got {value!r}")
     return min(limit, codec.MAX_MESSAGE)

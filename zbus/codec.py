@@ -34,7 +34,7 @@ from .errors import CodecError
 _TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT = 1, 2, 3, 4, 5, 6, 7
 _BYTES_KINDS = {0: bytes, 1: bytearray, 2: memoryview}
 OOB_THRESHOLD = 16 * 1024  # byte strings at least this long travel as their own frame
-MAX_MESSAGE = int(os.environ.get("ZBUS_MAX_MESSAGE", 4 * 2**30))
+MAX_MESSAGE = int(os.environ.get("ZBUS_MAX_MESSAGE") or 4 * 2**30)  # (empty: unset)
 _MAX_FRAMES = 1 << 20
 # Nesting of maps, arrays and extension types in one message (a tuple is two levels:
 # the extension and its list). Each extension level is also a nested msgpack unpack

@@ -49,7 +49,7 @@ class RingGeometry:
     @classmethod
     def from_env(cls, calls: bool = False) -> RingGeometry:
         """``ZBUS_RING``, else the default of a ring of calls (``calls``) or of replies."""
-        text = os.environ.get("ZBUS_RING", "1Mx32" if calls else "1Mx8")
+        text = os.environ.get("ZBUS_RING") or ("1Mx32" if calls else "1Mx8")  # (empty: unset)
         try:
             chunk, count = text.lower().split("x")
             geo = cls(parse_size(chunk), int(count))
@@ -82,8 +82,9 @@ class WaitPolicy:
 
 
 def _number(name: str, default: float, positive: bool = False) -> float:
-    """The number setting ``name``: finite, at least 0 (``positive``: above 0)."""
-    text = os.environ.get(name)
+    """The number setting ``name``: finite, at least 0 (``positive``: above 0); an
+    empty variable counts as unset."""
+    text = os.environ.get(name) or None
     try:
         value = default if text is None else float(text)
     except ValueError:
