@@ -561,7 +561,9 @@ def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_envir
     # let every name below but LD_PRELOAD through.
     risky = ["LD_PRELOAD", "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_DEBUG_FILE", "NCCL_TOPO_FILE",
              "OPENSSL_CONF", "GCONV_PATH", "http_proxy", "HTTPS_PROXY", "HF_ENDPOINT", "VLLM_PLUGINS",
-             "CUDA_HOME", "MY_SETTING"]
+             "CUDA_HOME", "MY_SETTING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_USAGE_STATS_SERVER",
+             "VLLM_USE_MODELSCOPE", "NCCL_NET", "NCCL_SOCKET_IFNAME", "VLLM_HOST_IP", "VLLM_PORT",
+             "VLLM_API_KEY"]
     safe = {"ZBUS_TEST_VALUE": "ok", "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "3"}
     try:
         with leader(port, nnodes=2, join_timeout=60, env={**{k: "evil" for k in risky}, **safe}) as ex:

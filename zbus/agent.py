@@ -56,11 +56,15 @@ READ_AHEAD_S = 0.02  # how long one read-ahead may wait for more from the leader
 RELAYED = object()  # _next's answer for a call the compiled core put in the ring
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
 # env= from an unauthenticated leader: only tuning knobs pass (an allow-list), and
-# none whose name suggests a path, plugin, file, proxy or download source.
+# none whose name suggests a path, plugin, file, proxy or download source, a
+# network address, a key, or the lifting of a safeguard (VLLM_ALLOW_INSECURE_
+# SERIALIZATION turns pickle on in vLLM's workers).
 SAFE_ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "VLLM_", "ZBUS_TEST_")
 SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM", "ZBUS_GPUS")
 UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CONF", "CACHE", "ENDPOINT",
-                    "URL", "PROXY", "MODULE", "PRELOAD", "CMD", "EXEC", "SCRIPT")
+                    "URL", "PROXY", "MODULE", "PRELOAD", "CMD", "EXEC", "SCRIPT", "INSECURE", "SERIAL",
+                    "ALLOW", "TRUST", "SERVER", "HOST", "ADDR", "PORT", "IFNAME", "NET", "KEY", "TOKEN",
+                    "SECRET", "USAGE", "MODELSCOPE", "DOWNLOAD", "REMOTE")
 
 
 def safe_env_name(name: str) -> bool:
