@@ -642,13 +642,43 @@ def test_an_inproc_shutdown_fails_the_calls_still_waiting_for_an_answer():
     left such a call pending: its future waited for an answer that may never come
     (a blocking caller without a timeout, for good). Now it fails with ZbusError,
     as the other backend's pending calls do, and an answer that comes after is
-    dropped. Sabotage: no settling in ``InprocExecutor.shutdown`` -> TimeoutError."""
+    dropped; the thread that sent later answers then ends. Sabotage: no settling
+    in ``InprocExecutor.shutdown`` -> TimeoutError; no ``ReplyPipe.close`` there
+    -> the thread waits for more answers for good."""
     ex = zbus.Executor(EchoWorker, backend="inproc")
     pending = ex.collective_rpc("later", args=(1, 2.5), non_block=True)
     ex.shutdown()
     assert isinstance(pending.exception(timeout=1), zbus.ZbusError)
-    time.sleep(2)  # the answer comes, and goes nowhere
+    ex._replies.thread.join(10)  # the answer comes, goes nowhere, and the thread ends
+    assert not ex._replies.thread.is_alive()
     assert "shut down" in str(pending.exception(timeout=0))
+
+
+def test_inproc_calls_from_many_threads_each_get_their_own_answer():
+    """``backend="inproc"`` called from 8 threads at once (its methods run on the
+    caller's thread): each call gets a number of its own and its own answer.
+    Sabotage: number the calls without ``_numbering`` -> two calls share a number,
+    one is never answered (KeyError in the reply, or a TimeoutError)."""
+    ex = zbus.Executor(EchoWorker, backend="inproc")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two steps
+    try:
+        results: dict[int, list] = {}
+
+        def calls(t: int) -> None:
+            futures = [ex.collective_rpc("rank_value", args=(1000 * t + i,), non_block=True)
+                       for i in range(300)]
+            results[t] = [f.result(timeout=10) for f in futures]
+
+        threads = [threading.Thread(target=calls, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+        ex.shutdown()
+    assert results == {t: [[10 * (1000 * t + i)] for i in range(300)] for t in range(8)}
 
 
 def test_a_done_callback_run_by_a_shutdown_may_shut_down_too(monkeypatch):

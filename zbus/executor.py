@@ -444,6 +444,7 @@ class InprocExecutor(Executor):
         self._worker = build_worker({"worker": worker, "kwargs": self.worker_kwargs}, {
             "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0})
         self._calls: dict[int, Call] = {}
+        self._numbering = threading.Lock()  # callers on several threads: one number each
         self._delivering = threading.local()  # in _deliver, under the reply pipe's lock
         self._replies = ReplyPipe(_weakly(self._deliver), then=_weakly(self._run_completions))
         self._closed = False
@@ -469,12 +470,13 @@ class InprocExecutor(Executor):
         from .worker import run_call
 
         method = self._check_call(method, unique_reply_rank)
-        self._seq += 1
-        # a method may return a Future, answered later: a blocking call waits on this one
-        call = Call(self, self._seq, [0], unique_reply_rank is not None, RpcFuture())
-        self._calls[self._seq] = call
+        with self._numbering:
+            self._seq += 1
+            seq = self._seq
+            # a method may return a Future, answered later: a blocking call waits on this one
+            call = self._calls[seq] = Call(self, seq, [0], unique_reply_rank is not None, RpcFuture())
         result, status = run_call(self._worker, method, args, kwargs, self.allow_import_calls)
-        self._replies.send(self._seq, result, status)
+        self._replies.send(seq, result, status)
         self._run_completions()
         return call.future if non_block else call.future.result(timeout)
 
@@ -494,6 +496,7 @@ class InprocExecutor(Executor):
         # backend fails its pending calls (an answer that comes later is dropped).
         for call in list(self._calls.values()):
             call.settle(False, ZbusError("executor is shut down"), complete=False)
+        self._replies.close()
         self._run_completions()
 
 

@@ -116,6 +116,7 @@ class ReplyPipe:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self.thread: threading.Thread | None = None
+        self._closed = False
 
     def send(self, seq: int, result: Any, status: int) -> None:
         with self._lock:
@@ -128,11 +129,21 @@ class ReplyPipe:
                 self.thread.start()
             self._cond.notify()
 
+    def close(self) -> None:
+        """End the thread: what is queued is dropped (its callers were told of the
+        shutdown); a Future it waits on ends it once done."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify()
+
     def _drain(self) -> None:
         while True:
             with self._lock:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._cond.wait()
+                if self._closed:
+                    return
                 seq, result, status = self._queue[0]
             if isinstance(result, concurrent.futures.Future):
                 try:
@@ -140,6 +151,8 @@ class ReplyPipe:
                 except BaseException as e:  # noqa: BLE001 - reported to the caller
                     result, status = e, protocol.RAISED
             with self._lock:
+                if self._closed:
+                    return
                 try:
                     self._put([seq, status, result])
                 except Exception as e:  # noqa: BLE001 - this thread must live on: report it
