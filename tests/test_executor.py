@@ -1780,3 +1780,32 @@ def _released(view: memoryview) -> bool:
         return view.nbytes < 0
     except ValueError:  # "operation forbidden on released memoryview object"
         return True
+
+
+def test_exception_of_a_future_read_while_the_executor_shuts_down_returns_the_error():
+    """A thread reads a non-blocking call's replies in ``exception()`` while another
+    shuts the executor down: ``exception()`` returns the ZbusError (as it does
+    for a failure, and as the inproc backend does), ``result()`` raises it.
+    Before, ``exception()`` raised it: the reader saw its queue aborted before the
+    shutdown settled the call. Sabotage: re-raise every error but the failure in
+    ``RpcFuture._read_replies`` -> ZbusError raised."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    future = ex.collective_rpc("sleep", args=(30,), non_block=True)
+    got: list = []
+
+    def read():
+        try:
+            got.append(("returned", future.exception(timeout=30)))
+        except BaseException as e:  # noqa: BLE001 - the test checks which
+            got.append(("raised", e))
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        wait_until(lambda: ex._recv_lock._owner == t.ident, 10, "the reader reading the replies")
+    finally:
+        ex.shutdown()
+        t.join(30)
+    assert len(got) == 1 and got[0][0] == "returned" and isinstance(got[0][1], zbus.ZbusError), got
+    with pytest.raises(zbus.ZbusError, match="shut down"):
+        future.result(0)

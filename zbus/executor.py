@@ -195,10 +195,10 @@ class RpcFuture(concurrent.futures.Future):
                 raise
             call.expire()
         except Exception as e:
-            if e is not call.executor.failure.error:
+            if e is not call.executor.failure.error and not call.executor._closed:
                 raise
-            # the failure settles this future (maybe this very moment): result() and
-            # exception() give it as they give any outcome
+            # the failure or the shutdown settles this future (maybe this very moment):
+            # result() and exception() give it as they give any outcome
 
 
 def _set_outcome(future: RpcFuture, ok: bool, value: Any) -> None:
