@@ -612,6 +612,35 @@ def test_a_follower_workers_death_fails_the_executor_quickly(how, code):
         end_process(proc)
 
 
+def test_a_join_while_the_last_on_join_runs_is_refused_and_the_cluster_starts():
+    """Every node has joined but the driver's ``on_join`` still runs (slow): a join
+    then is refused as after the cluster formed, and start-up goes on. Before,
+    the cluster counted as formed only once ``on_join`` returned: the join was
+    taken for a node that found no free rank, and start-up failed ("the
+    cluster of 2 nodes is complete"). Sabotage: set ``formed`` in ``admit`` only
+    (not in ``_on_subscribed``) -> StartupError."""
+    port = free_port_pair()
+    first = follower(port, "--node-rank", "1", env={"ZBUS_LOG_LEVEL": "INFO"})
+    said = Lines(first.stderr)
+    late = []
+
+    def on_join(joined: int, total: int) -> None:
+        if late:
+            return
+        wait_until(lambda: said.has("workers started"), 30, "node 1 welcomed")
+        late.append(follower(port))  # a node more, any rank
+        late[0].wait(30)
+
+    try:
+        with leader(port, nnodes=2, join_timeout=60, on_join=on_join) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+        assert late[0].returncode == 1 and "already formed" in late[0].stderr.read()
+        assert first.wait(30) == 0
+    finally:
+        for p in (first, *late):
+            end_process(p)
+
+
 def test_a_join_after_the_cluster_formed_is_refused():
     port = free_port_pair()
     first = follower(port, "--node-rank", "1")

@@ -111,10 +111,10 @@ class Membership:
         seen = -1
         while True:
             with self.cond:
+                self.failure.raise_if_failed()  # (first: a node refused while on_join ran)
                 if len(self.nodes) >= want:
                     self.formed = True
                     break
-                self.failure.raise_if_failed()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(1, self.settings.nnodes)) - set(self.nodes))
@@ -132,6 +132,7 @@ class Membership:
             on_join(seen + 1, want + 1)
         if on_join is not None:
             on_join(want + 1, want + 1)
+            self.failure.raise_if_failed()
         log.info("%d/%d nodes joined: %s", want + 1, want + 1, self.describe_nodes())
 
     def describe_nodes(self) -> str:
@@ -237,6 +238,9 @@ class Membership:
         node.last_seen = time.monotonic()
         with self.cond:
             self.nodes[node.node_rank] = node
+            # formed with the last node (not once admit's thread, maybe in a slow
+            # on_join, sees it): a join from now on is refused as late, and fails nothing
+            self.formed = len(self.nodes) >= self.settings.nnodes - 1
             self.cond.notify_all()
         log.info("node %d joined: %s (%s)", node.node_rank, node.host, node.address)
         self._welcome_ready()  # a join that waited for this rank is refused now
