@@ -1362,6 +1362,27 @@ def test_workers_see_one_gpu_each_unless_the_executor_shows_them_their_nodes(mon
     assert safe_env_name(GPUS_ENV)
 
 
+def test_a_worker_gets_one_thread_or_a_share_of_its_nodes_cores(monkeypatch):
+    """``OMP_NUM_THREADS`` is 1 unless set; ``env={"ZBUS_THREADS": "share"}`` gives each
+    worker the node's cores over its workers (what the vLLM executor asks for on
+    GPUs, as vLLM's own gives its GPU workers for their start-up), saying so in
+    ``ZBUS_THREADS=shared``; a value the environment sets wins. Sabotage: ignore
+    ``ZBUS_THREADS`` in ``worker_env`` -> 1 thread."""
+    from zbus.agent import safe_env_name
+    from zbus.processes import THREADS_ENV, worker_env
+
+    place = {"rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0}
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = lambda extra: {k: worker_env(place, "127.0.0.1", 29500, extra)[k]  # noqa: E731
+                             for k in ("OMP_NUM_THREADS", THREADS_ENV)}
+    assert threads({}) == {"OMP_NUM_THREADS": "1", THREADS_ENV: "one"}
+    cores = str(len(os.sched_getaffinity(0)))
+    assert threads({THREADS_ENV: "share"}) == {"OMP_NUM_THREADS": cores, THREADS_ENV: "shared"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads({THREADS_ENV: "share"}) == {"OMP_NUM_THREADS": "3", THREADS_ENV: "share"}
+    assert safe_env_name(THREADS_ENV)
+
+
 @pytest.mark.parametrize("how", ["shutdown", "driver_killed"])
 def test_a_process_a_worker_started_ends_with_the_worker(tmp_path, how):
     """A worker's method starts a process that outlives the call (as a library's

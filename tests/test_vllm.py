@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import shutil
 import signal
@@ -389,6 +390,44 @@ def test_each_worker_sees_its_nodes_gpus_and_maps_its_peers_as_vllm_does(monkeyp
         assert [Gpus.logical_device_id_to_visible_device_id(peer) for peer in (0, 1)] == [0, 1]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # a worker that sees one GPU alone
     assert device_index(0) == 0
+
+
+SETUP_SCRIPT = r"""
+import dataclasses, json, logging, os, sys
+from vllm.config import VllmConfig
+from zbus.vllm.worker import process_setup
+config = VllmConfig()
+config.logging_config = dataclasses.replace(config.logging_config, log_level="DEBUG",
+                                            pylogging_config_file=sys.argv[1])
+out = {}
+try:
+    process_setup(config, 0, 0, remote=False)
+    out["local"] = "applied"
+except Exception as e:
+    out["local"] = type(e).__name__
+os.environ["ZBUS_THREADS"] = "shared"
+process_setup(config, 0, 1, remote=True)
+out["level"] = logging.getLogger("vllm").level
+out["set_by_vllm"] = os.environ.get("VLLM_OMP_NUM_THREADS_SET_BY_VLLM")
+print(json.dumps(out))
+"""
+
+
+def test_each_worker_process_is_set_up_as_vllms_own_executor_sets_it_up(tmp_path):
+    """Each worker applies what vLLM's own executor applies in its worker processes:
+    the engine's logging configuration (its level here), with the node's own
+    logging file on a follower, never a path from the network (a ``dictConfig``
+    file names classes to build); and where zbus gave the worker a share of the
+    node's cores for its start-up, vLLM may take them back to 1 for serving.
+    Sabotage: use the network's ``pylogging_config_file`` on a follower -> the
+    missing file is opened there too; no ``configure_logging`` -> level 0."""
+    missing = str(tmp_path / "no-such-logging.json")
+    out = subprocess.run([sys.executable, "-c", SETUP_SCRIPT, missing], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, **{**VLLM_ENV, "PYTHONPATH": TEST_PATH}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"local": result["local"], "level": logging.DEBUG, "set_by_vllm": "1"}, result
+    assert result["local"] != "applied"  # the driver's own file is used where it runs
 
 
 def test_cores_are_planned_for_the_workers_of_this_node(monkeypatch, wire, tmp_path):

@@ -60,7 +60,7 @@ DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
 # network address, a key, or the lifting of a safeguard (VLLM_ALLOW_INSECURE_
 # SERIALIZATION turns pickle on in vLLM's workers).
 SAFE_ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "VLLM_", "ZBUS_TEST_")
-SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM", "ZBUS_GPUS")
+SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM", "ZBUS_GPUS", "ZBUS_THREADS")
 UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CONF", "CACHE", "ENDPOINT",
                     "URL", "PROXY", "MODULE", "PRELOAD", "CMD", "EXEC", "SCRIPT", "INSECURE", "SERIAL",
                     "ALLOW", "TRUST", "SERVER", "HOST", "ADDR", "PORT", "IFNAME", "NET", "KEY", "TOKEN",

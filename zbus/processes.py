@@ -38,6 +38,11 @@ def node_shm_prefix(master_port: int, node_rank: int) -> str:
 # or "node", every GPU of its node, as vLLM's own executor shows them: vLLM names a
 # worker's device by its local rank and maps its peers' through that list.
 GPUS_ENV = "ZBUS_GPUS"
+# The worker's OpenMP threads where the environment does not set OMP_NUM_THREADS
+# (``env=``): "one" (the default: OMP_NUM_THREADS=1), or "share", the cores this
+# node's parent may use over its workers (as vLLM's own executor gives a GPU
+# worker for its start-up); the worker then sees ZBUS_THREADS=shared.
+THREADS_ENV = "ZBUS_THREADS"
 
 
 def _visible_gpus() -> list[str]:
@@ -63,7 +68,11 @@ def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str,
         "MASTER_PORT": str(master_port),
         NODE_SHM_PREFIX_ENV: node_shm_prefix(master_port, place["node_rank"]),
     })
-    env.setdefault("OMP_NUM_THREADS", "1")
+    if "OMP_NUM_THREADS" not in env:
+        share = extra.get(THREADS_ENV) == "share"
+        cores = len(os.sched_getaffinity(0)) if share else 1
+        env["OMP_NUM_THREADS"] = str(max(1, cores // place["local_world_size"]))
+        env[THREADS_ENV] = "shared" if share else "one"
     gpus = _visible_gpus()
     one_each = extra.get(GPUS_ENV, "own") != "node"
     if one_each and len(gpus) >= place["local_world_size"] and "CUDA_VISIBLE_DEVICES" not in extra:
@@ -271,3 +280,17 @@ class LocalWorkers:
             if fd >= 0:  # (a forked child closed its death pipe's end at once)
                 os.close(fd)
         self._death_w = -1
+
+
+def end_followers(followers: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """End ``zbus follower`` processes this one started: SIGTERM (each ends its
+    workers and tells its leader), then SIGKILL what is left ``grace_s`` later."""
+    for f in followers:
+        if f.poll() is None:
+            f.terminate()
+    for f in followers:
+        try:
+            f.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            f.kill()
+            f.wait()

@@ -14,7 +14,7 @@ from vllm.v1.executor.abstract import Executor as VllmExecutor
 from .. import Executor
 from ..cluster import ClusterSettings
 from ..errors import ZbusError
-from ..processes import GPUS_ENV, node_shm_prefix
+from ..processes import GPUS_ENV, THREADS_ENV, node_shm_prefix
 from ..shm import unlink_prefixed
 from .wire import load_wire_modules
 
@@ -33,6 +33,16 @@ SHUTDOWN_RPC_S = 3.0
 # a worker's local rank for its device and maps its peers' local ranks through
 # CUDA_VISIBLE_DEVICES (its custom all-reduce's P2P check failed on one GPU each).
 WORKER_ENV = {GPUS_ENV: "node"}
+
+
+def worker_env() -> dict[str, str]:
+    """``WORKER_ENV``, and on a GPU platform a share of each node's cores for the
+    workers' start-up (weight loading), as vLLM's own executor gives its GPU
+    workers (its CPU platform leaves the thread count alone: zbus binds those
+    workers' cores as vLLM would, see ``zbus.vllm.worker.bind_cpus``)."""
+    from vllm.platforms import current_platform
+
+    return WORKER_ENV if current_platform.is_cpu() else {**WORKER_ENV, THREADS_ENV: "share"}
 
 
 class ZbusExecutor(VllmExecutor):
@@ -54,7 +64,10 @@ class ZbusExecutor(VllmExecutor):
         self.output_rank = self.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
         self._attach(Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
                               output_rank=self.output_rank, poll_after_call_s=POLL_BETWEEN_STEPS_S,
-                              env=WORKER_ENV))
+                              env=worker_env()))
+        if getattr(self.parallel_config, "numa_bind", False):  # vLLM binds its workers as it starts them
+            log.warning("numa_bind is not applied by the zbus executor: start each node's follower "
+                        "(and the engine) under numactl instead")
         try:
             self.collective_rpc("init_worker", args=(self.vllm_config,))
             self.collective_rpc("init_device")

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..cluster import resolve_ip, route_to
 from ..errors import ZbusError
-from ..processes import NODE_SHM_PREFIX_ENV, node_shm_prefix
+from ..processes import NODE_SHM_PREFIX_ENV, THREADS_ENV, node_shm_prefix
 from ..shm import unlink_prefixed
 from ..worker import Worker, on_exit
 from .wire import load_wire_modules
@@ -48,6 +48,7 @@ class VllmWorker(Worker):
             check_remote_config(vllm_config, allowed())
         if "VLLM_HOST_IP" not in os.environ:  # vLLM's own guess needs a route to the internet
             os.environ["VLLM_HOST_IP"] = route_to(resolve_ip(os.environ["MASTER_ADDR"]))[0]
+        process_setup(vllm_config, device_index(self.local_rank), self.rank, remote=self.node_rank > 0)
         bind_cpus(vllm_config, self.local_rank, self.local_world_size)
         tp = vllm_config.parallel_config.tensor_parallel_size
         kwargs: list[dict] = [{} for _ in range(self.world_size)]
@@ -138,6 +139,40 @@ class VllmWorker(Worker):
         if "worker" not in vars(wrapper) and not hasattr(type(wrapper), name):
             raise AttributeError(name)  # (before init_worker the wrapper's own lookup recurses)
         return getattr(wrapper, name)
+
+
+def process_setup(vllm_config: Any, device: int, rank: int, remote: bool) -> None:
+    """What vLLM's own executor does in each worker process before its worker:
+    vLLM's logging configuration (on a follower, with the node's own file, never a
+    path from the network: a ``dictConfig`` file names classes to build), the GPU
+    ids the engine assigned, a NIC per GPU (``VLLM_GPU_NIC_PCIE_MAPPING``), the
+    worker's tracer; and where zbus gave the worker a share of the node's cores
+    for its start-up (``ZBUS_THREADS``, as vLLM's executor does on GPUs), it lets
+    vLLM take them back to 1 for serving."""
+    import dataclasses
+
+    import vllm.envs as envs
+    from vllm.logger import configure_logging
+    from vllm.tracing import maybe_init_worker_tracer
+    from vllm.utils.torch_utils import OMP_NUM_THREADS_SET_BY_VLLM
+    from vllm.v1.executor.vllm_net_devices import set_worker_net_device
+
+    logging_config = getattr(vllm_config, "logging_config", None)
+    if logging_config is not None:
+        if remote:
+            logging_config = dataclasses.replace(logging_config,
+                                                 pylogging_config_file=envs.VLLM_LOGGING_CONFIG_PATH)
+        configure_logging(logging_config)
+    gpu_ids = vllm_config.parallel_config.assigned_physical_gpu_ids
+    if gpu_ids is not None:
+        from vllm.platforms.interface import set_assigned_physical_gpu_ids
+
+        set_assigned_physical_gpu_ids(gpu_ids)
+    set_worker_net_device(device, vllm_config)
+    maybe_init_worker_tracer(instrumenting_module_name="vllm.worker", process_kind="worker",
+                             process_name=f"Worker_{rank}")
+    if os.environ.get(THREADS_ENV) == "shared":
+        os.environ[OMP_NUM_THREADS_SET_BY_VLLM] = "1"
 
 
 def created_queue_buffers() -> list:
