@@ -130,3 +130,33 @@ def test_a_failed_benchmark_run_says_why_from_both_streams():
         _parse_rows(out)
     assert "boom: the cause" in str(e.value) and "EngineDeadError" in str(e.value)
     assert "noise" not in str(e.value)
+
+
+def test_a_nodes_benchmark_that_fails_to_start_ends_every_process_it_started(tmp_path):
+    """The nodes scenario's driver starts its baselines' subscribers and relays,
+    then waits for them to subscribe; when that fails (here at once) it ends them
+    all. Before, they were started outside its ``try``: the subscribers waited
+    for a message and the relays relayed for good. Sabotage: start them before
+    the ``try`` in ``nodes_driver`` again -> processes left."""
+    import psutil
+
+    code = ("import zbus.bench as b\n"
+            "def fail(*args):\n"
+            "    raise TimeoutError('no subscriber')\n"
+            "b.await_subscribers = fail\n"
+            "b.nodes_driver(2, 0.1, '127.0.0.1', [], 'lo')\n")
+
+    def baselines() -> list:
+        return [p for p in psutil.process_iter(["cmdline"])
+                if "zbus.baselines import" in " ".join(p.info["cmdline"] or [])]
+
+    err = tmp_path / "stderr"  # (a file: processes left behind would hold a pipe open)
+    try:
+        with open(err, "w") as f:
+            code = subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=f,
+                                  timeout=90, env=dict(os.environ, PYTHONPATH=TEST_PATH)).returncode
+        assert code == 1 and "no subscriber" in err.read_text(), err.read_text()[-2000:]
+        assert baselines() == []
+    finally:
+        for p in baselines():
+            p.kill()

@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from typing import Any, Callable
 
 from . import ring
 from .baselines import PipeBaseline, ZmqBaseline, await_subscribers
+from .processes import end_followers
 from .worker import Worker
 
 KiB, MiB = 2**10, 2**20
@@ -398,19 +400,9 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
     rpub, rpull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)  # through one relay per node
     ports = [s.bind_to_random_port(f"tcp://{host}") for s in (pub, pull, req, rpub, rpull)]
     remote = [(node, i) for node in range(1, nnodes) for i in range(2)]
-    procs = [spawn(node, f"from zbus.baselines import sub_worker as w; "
-                         f"w('tcp://{host}:{ports[0]}', 'tcp://{host}:{ports[1]}', {k})")
-             for k, (node, _) in enumerate(remote)]
-    procs.append(spawn(1, f"from zbus.baselines import rep_worker as w; w('tcp://{host}:{ports[2]}')"))
-    local = "ipc://@zbus-bench-relay-{}-" + str(os.getpid())  # abstract: one per network namespace
-    relays = [spawn(node, f"from zbus.baselines import relay as r; r('tcp://{host}:{ports[3]}', "
-                          f"'{local.format(node)}')") for node in range(1, nnodes)]
-    procs += [spawn(node, f"from zbus.baselines import sub_worker as w; "
-                          f"w('{local.format(node)}', 'tcp://{host}:{ports[4]}', {k})")
-              for k, (node, _) in enumerate(remote)]
-    await_subscribers(pub, pull, len(remote))
-    await_subscribers(rpub, rpull, len(remote))
     last = len(remote) - 1
+    procs: list[Any] = []
+    relays: list[Any] = []
 
     def direct(payload: Any) -> None:
         pub.send_multipart([str(last).encode(), payload], copy=len(payload) < 65536)
@@ -432,7 +424,20 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
     def emit(r: Row) -> None:
         print(json.dumps(dict(asdict(r))), flush=True)
 
-    try:
+    try:  # (whatever fails, the baselines' processes are ended below)
+        for k, (node, _) in enumerate(remote):
+            procs.append(spawn(node, f"from zbus.baselines import sub_worker as w; "
+                                     f"w('tcp://{host}:{ports[0]}', 'tcp://{host}:{ports[1]}', {k})"))
+        procs.append(spawn(1, f"from zbus.baselines import rep_worker as w; w('tcp://{host}:{ports[2]}')"))
+        local = "ipc://@zbus-bench-relay-{}-" + str(os.getpid())  # abstract: one per network namespace
+        for node in range(1, nnodes):
+            relays.append(spawn(node, f"from zbus.baselines import relay as r; r('tcp://{host}:{ports[3]}', "
+                                      f"'{local.format(node)}')"))
+        for k, (node, _) in enumerate(remote):
+            procs.append(spawn(node, f"from zbus.baselines import sub_worker as w; "
+                                     f"w('{local.format(node)}', 'tcp://{host}:{ports[4]}', {k})"))
+        await_subscribers(pub, pull, len(remote))
+        await_subscribers(rpub, rpull, len(remote))
         with Executor(BenchWorker, nnodes=nnodes, nproc_per_node=2, master_addr=host,
                       master_port=NODES_PORT) as ex:
             world = ex.world_size
@@ -462,11 +467,13 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
         pub.send(b"stop")
         rpub.send(b"stop")
         req.send_multipart([b"stop", b""])
+        deadline = time.monotonic() + 10
         for p in procs:
             try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # (one that never subscribed waits for ever)
                 p.kill()
+                p.wait(10)
         for p in relays:  # a relay runs until it is ended
             p.kill()
             p.wait(10)
@@ -498,13 +505,18 @@ def _run_nodes(nnodes: int, seconds: float, use_netns: bool) -> list[Row]:
                                        "--allow-worker", "zbus.bench"], env=dict(os.environ, **env))
                      for r in range(1, nnodes)]
         args = [nnodes, seconds, "127.0.0.1", [], "lo"]
-        try:
-            out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
-                                 text=True, timeout=600)
+        try:  # its own session: past the timeout, it and every process it started are killed
+            driver = subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
+            try:
+                stdout, stderr = driver.communicate(timeout=600)
+            finally:
+                if driver.poll() is None:
+                    os.killpg(driver.pid, signal.SIGKILL)
+                    driver.wait()
         finally:
-            for f in followers:
-                f.wait(30)
-        return _parse_rows(out)
+            end_followers(followers)
+        return _parse_rows(subprocess.CompletedProcess(driver.args, driver.returncode, stdout, stderr))
     with netns.NetnsCluster(nnodes) as c:
         env["ZBUS_MASTER_ADDR"] = "leader"
         for node in c.nodes[1:]:
@@ -602,11 +614,7 @@ def bench_curve(seconds: float) -> list[Row]:
                     what = "16 MiB broadcast" if size else "no-op round trip"
                     rows.append(row("curve", f"2 nodes, {what}, CurveZMQ", sa, sb, "no keys (same run)"))
         finally:
-            for f in followers:
-                try:
-                    f.wait(30)
-                except subprocess.TimeoutExpired:
-                    f.kill()
+            end_followers(followers)
     return rows
 
 

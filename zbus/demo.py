@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from .processes import end_followers
 from .worker import Worker
 
 DIM, HEADS, HIDDEN, SEQ = 96, 12, 384, 16  # 12 heads: shardable over 1, 2, 3, 4, 6 or 12 ranks
@@ -161,26 +162,11 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
             f.wait(30)
         return 0 if ok else 1
     finally:
-        _end_followers(followers)
+        end_followers(followers)
         if keys:
             import shutil
 
             shutil.rmtree(keys, ignore_errors=True)
-
-
-def _end_followers(followers: list[Any]) -> None:
-    """SIGTERM (each ends its workers and leaves), then SIGKILL what is left 10 s later."""
-    import subprocess
-
-    for f in followers:
-        if f.poll() is None:
-            f.terminate()
-    for f in followers:
-        try:
-            f.wait(10)
-        except subprocess.TimeoutExpired:
-            f.kill()
-            f.wait()
 
 
 def _drive(ex: Any, steps: int, say: Any, progress: _Progress, torch: Any) -> bool:
