@@ -192,16 +192,13 @@ def spawn_python(code: str, *args: str, **kwargs) -> psutil.Popen:
     return psutil.Popen([sys.executable, "-c", code, *args], env=env, **kwargs)
 
 
-_lines: dict[int, queue.SimpleQueue] = {}
-
-
 def next_line(proc: subprocess.Popen, deadline: float) -> str:
     """The next line of ``proc``'s stdout (a pipe), "" at its end; AssertionError
     once ``deadline`` (``time.monotonic()``) has passed. A thread reads the pipe,
     so a process that goes silent cannot hold the test past the deadline."""
-    lines = _lines.get(proc.pid)
+    lines = getattr(proc, "_test_lines", None)
     if lines is None:
-        lines = _lines[proc.pid] = queue.SimpleQueue()
+        lines = proc._test_lines = queue.SimpleQueue()
 
         def read() -> None:
             for line in proc.stdout:
@@ -209,12 +206,9 @@ def next_line(proc: subprocess.Popen, deadline: float) -> str:
             lines.put("")  # the end
         threading.Thread(target=read, name=f"lines of {proc.pid}", daemon=True).start()
     try:
-        line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        return lines.get(timeout=max(0.0, deadline - time.monotonic()))
     except queue.Empty:
         raise AssertionError(f"no line from process {proc.pid} in time") from None
-    if not line:
-        del _lines[proc.pid]
-    return line
 
 
 def end_process(proc: psutil.Popen, timeout: float = 10) -> None:

@@ -146,15 +146,25 @@ def test_a_nodes_benchmark_that_fails_to_start_ends_every_process_it_started(tmp
             "b.await_subscribers = fail\n"
             "b.nodes_driver(2, 0.1, '127.0.0.1', [], 'lo')\n")
 
+    tag = f"ZBUS_TEST_BENCH={os.getpid()}"  # (its processes, and no other on this machine)
+
     def baselines() -> list:
-        return [p for p in psutil.process_iter(["cmdline"])
-                if "zbus.baselines import" in " ".join(p.info["cmdline"] or [])]
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if "zbus.baselines import" in " ".join(p.info["cmdline"] or []) and tag in \
+                        "\0".join(f"{k}={v}" for k, v in p.environ().items()):
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
 
     err = tmp_path / "stderr"  # (a file: processes left behind would hold a pipe open)
     try:
         with open(err, "w") as f:
             code = subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=f,
-                                  timeout=90, env=dict(os.environ, PYTHONPATH=TEST_PATH)).returncode
+                                  timeout=90, env=dict(os.environ, PYTHONPATH=TEST_PATH,
+                                                       ZBUS_TEST_BENCH=str(os.getpid()))).returncode
         assert code == 1 and "no subscriber" in err.read_text(), err.read_text()[-2000:]
         assert baselines() == []
     finally:

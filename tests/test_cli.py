@@ -50,6 +50,7 @@ def test_sigterm_ends_the_demo_with_its_followers_and_removes_its_keys(tmp_path)
     lost and the keys stayed in /tmp. Sabotage: no SIGTERM handler in
     ``zbus.cli.main`` -> exit -15, keys left."""
     env = dict(os.environ, TMPDIR=str(tmp_path), ZBUS_NPROC_PER_NODE="1")
+    procs: list[psutil.Process] = []
     demo = psutil.Popen([sys.executable, "-m", "zbus.cli", "demo", "--steps", "1000000"], env=env,
                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -57,15 +58,18 @@ def test_sigterm_ends_the_demo_with_its_followers_and_removes_its_keys(tmp_path)
         while "ready in" not in (line := next_line(demo, deadline)):
             assert line, "the demo ended before its cluster was ready"
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith("zbus-demo-keys-")]
-        procs = demo.children(recursive=True)
+        procs += demo.children(recursive=True)
         assert len(procs) >= 4  # two followers, a worker each, the leader's own worker
         demo.terminate()
         assert demo.wait(30) == 143
         assert psutil.wait_procs(procs, timeout=15)[1] == []
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("zbus-demo-keys-")]
     finally:
-        if demo.poll() is None:
-            demo.kill()
+        for p in [demo, *procs]:  # (on failure: the followers and workers too)
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
         end_process(demo)
 
 

@@ -1369,6 +1369,7 @@ def test_a_worker_gets_one_thread_or_a_share_of_its_nodes_cores(monkeypatch):
     ``ZBUS_THREADS=shared``; a value the environment sets wins. Sabotage: ignore
     ``ZBUS_THREADS`` in ``worker_env`` -> 1 thread."""
     from zbus.agent import safe_env_name
+    from zbus.config import usable_cores
     from zbus.processes import THREADS_ENV, worker_env
 
     place = {"rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0}
@@ -1376,11 +1377,11 @@ def test_a_worker_gets_one_thread_or_a_share_of_its_nodes_cores(monkeypatch):
     threads = lambda extra: {k: worker_env(place, "127.0.0.1", 29500, extra)[k]  # noqa: E731
                              for k in ("OMP_NUM_THREADS", THREADS_ENV)}
     assert threads({}) == {"OMP_NUM_THREADS": "1", THREADS_ENV: "one"}
-    cores = str(len(os.sched_getaffinity(0)))
+    cores = str(usable_cores())  # (its affinity, capped by its cgroup's CPU quota)
     assert threads({THREADS_ENV: "share"}) == {"OMP_NUM_THREADS": cores, THREADS_ENV: "shared"}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads({THREADS_ENV: "share"}) == {"OMP_NUM_THREADS": "3", THREADS_ENV: "share"}
-    assert safe_env_name(THREADS_ENV)
+    assert safe_env_name(THREADS_ENV) and safe_env_name("TOKENIZERS_PARALLELISM")
 
 
 @pytest.mark.parametrize("how", ["shutdown", "driver_killed"])
@@ -1763,15 +1764,17 @@ def test_a_call_forgotten_while_the_completer_reads_it_gives_its_number_to_the_n
         assert ex.collective_rpc("rank_value", args=(3,), timeout=10) == [30, 31]
 
 
-def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_the_rings(tmp_path):
+@pytest.mark.parametrize("where", ["waiting for the workers", "waiting to send"])
+def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_the_rings(tmp_path, where):
     """Ctrl-C while the shutdown waits for a worker stuck in a call (deaf to
-    SIGTERM): the workers are killed at once, the pending call fails, the rings
-    and queues are closed, and the KeyboardInterrupt reaches the caller. A later
-    shutdown returns at once, so the first must finish every step. Before, the
-    interrupt skipped every step after the wait: the workers ran on, the pending
-    future never completed, the rings stayed mapped. Sabotage: run the shutdown's
-    steps one after the other again (no ``finally``) in
-    ``MultiprocExecutor._shut_down_once`` -> the future is not done."""
+    SIGTERM), or for the send lock a caller holds: the workers are killed at once,
+    the pending call fails, the rings and queues are closed, and the
+    KeyboardInterrupt reaches the caller. A later shutdown returns at once, so the
+    first must finish every step. Before, the interrupt skipped every step after
+    the wait: the workers ran on, the pending future never completed, the rings
+    stayed mapped. Sabotage: run the shutdown's steps one after the other again
+    (no ``finally``) in ``MultiprocExecutor._shut_down_once``, or begin its ``try``
+    after the wait to send -> the future is not done."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     pids = [p["pid"] for p in ex.collective_rpc("whoami", timeout=30)]
     marker = str(tmp_path / "in")
@@ -1781,14 +1784,23 @@ def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_t
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    holder, release = None, threading.Event()
+    if where == "waiting to send":  # a caller holds the send lock (the shutdown waits 1 s, then 5 s)
+        holder = threading.Thread(target=lambda: (ex._send_lock.acquire(), release.wait(30),
+                                                  ex._send_lock.release()))
+        holder.start()
+        wait_until(lambda: ex._send_lock._owner == holder.ident, 10, "the send lock held")
     previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, 1.0)  # the shutdown waits 5 s for the stuck workers
+    signal.setitimer(signal.ITIMER_REAL, 0.5 if holder else 1.0)  # (the workers: 5 s to end)
     try:
         with pytest.raises(KeyboardInterrupt):
             ex.shutdown()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        release.set()
+        if holder is not None:
+            holder.join(10)
         ex.shutdown()  # returns at once: the first shutdown ran
     assert stuck.done() and isinstance(stuck.exception(0), zbus.ZbusError)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
@@ -1806,17 +1818,19 @@ def _released(view: memoryview) -> bool:
 def test_exception_of_a_future_read_while_the_executor_shuts_down_returns_the_error():
     """A thread reads a non-blocking call's replies in ``exception()`` while another
     shuts the executor down: ``exception()`` returns the ZbusError (as it does
-    for a failure, and as the inproc backend does), ``result()`` raises it.
-    Before, ``exception()`` raised it: the reader saw its queue aborted before the
-    shutdown settled the call. Sabotage: re-raise every error but the failure in
-    ``RpcFuture._read_replies`` -> ZbusError raised."""
+    for a failure, and as the inproc backend does), ``result()`` raises it, at
+    once: not after the shutdown's wait for its workers (5 s here, the worker
+    sleeping). Before, ``exception()`` raised it: the reader saw its queue aborted
+    before the shutdown settled the call. Sabotage: re-raise every error but the
+    failure in ``RpcFuture._read_replies`` -> ZbusError raised; leave the call to
+    the shutdown to settle -> TimeoutError after 2 s."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     future = ex.collective_rpc("sleep", args=(30,), non_block=True)
     got: list = []
 
     def read():
         try:
-            got.append(("returned", future.exception(timeout=30)))
+            got.append(("returned", future.exception(timeout=2)))
         except BaseException as e:  # noqa: BLE001 - the test checks which
             got.append(("raised", e))
 

@@ -764,7 +764,8 @@ def test_a_reply_waiting_for_room_gives_up_when_its_sender_closes(ctx):
     waited on (no timeout, nothing to stop it), close gave up on the socket's
     lock after 2 s and closed the socket under the send (ZeroMQ's sockets are not
     thread-safe: an error or an abort). Sabotage: no ``cancel`` in
-    ``ReplySender.put`` -> the put ends with ZMQError, not Cancelled."""
+    ``ReplySender.put`` -> the put ends with ZMQError, not Cancelled; no check of
+    ``_closing`` before a put -> the put after close raises ZMQError."""
     with socket.socket() as nobody:
         nobody.bind((HOST, 0))  # refused connections: nothing is ever sent
         tx = ReplySender(f"tcp://{HOST}:{nobody.getsockname()[1]}", ctx=ctx, hwm=1)
@@ -785,4 +786,6 @@ def test_a_reply_waiting_for_room_gives_up_when_its_sender_closes(ctx):
         finally:
             tx.close(linger_s=0)
             t.join(10)
+        with pytest.raises(Cancelled):  # (the reply thread's next put: never on a closed socket)
+            tx.put([0, 200, 0, "x"])
     assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], Cancelled), outcome

@@ -387,7 +387,9 @@ def test_a_reader_out_of_file_descriptors_loses_no_message_and_still_wakes_the_w
     descriptors then (EMFILE), it must neither raise after the chunks are given
     back (the caller's retry would take the next message: this one lost) nor
     leave the writer asleep. Sabotage: make the ringers' sockets at the first
-    ring again (no ``connect`` at attach) → the receive raises OSError."""
+    ring again (no ``connect`` at attach) → the receive raises OSError (or, with
+    the ring's failure to make one ignored, the writer is never woken: its send
+    times out)."""
     import resource
 
     writer = RingWriter.create(1, RingGeometry(256, 2), WaitPolicy(0, 0, 600))

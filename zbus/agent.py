@@ -69,8 +69,9 @@ UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CON
 
 def safe_env_name(name: str) -> bool:
     """Whether an unauthenticated leader may set ``name`` in this node's workers."""
-    allowed = name in SAFE_ENV_NAMES or name.startswith(SAFE_ENV_PREFIXES)
-    return allowed and not any(word in name for word in UNSAFE_ENV_WORDS)
+    if name in SAFE_ENV_NAMES:
+        return True
+    return name.startswith(SAFE_ENV_PREFIXES) and not any(word in name for word in UNSAFE_ENV_WORDS)
 
 
 LIVENESS_RANGE_S = (0.5, 600.0)  # a welcome's liveness limit must lie in here

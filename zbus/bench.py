@@ -463,10 +463,12 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
                 per = (egress() - before) / n
                 emit(Row("egress", f"{nnodes} nodes x 2 workers: {name}", per, per,
                          extra={"payloads per broadcast": per / (16 * MiB)}, unit="B"))
-    finally:
-        pub.send(b"stop")
-        rpub.send(b"stop")
-        req.send_multipart([b"stop", b""])
+    finally:  # (never waiting: a peer that never connected must not hold this up)
+        for sock, stop in ((pub, [b"stop"]), (rpub, [b"stop"]), (req, [b"stop", b""])):
+            try:
+                sock.send_multipart(stop, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         deadline = time.monotonic() + 10
         for p in procs:
             try:
@@ -510,10 +512,12 @@ def _run_nodes(nnodes: int, seconds: float, use_netns: bool) -> list[Row]:
                                       stderr=subprocess.PIPE, text=True, start_new_session=True)
             try:
                 stdout, stderr = driver.communicate(timeout=600)
-            finally:
-                if driver.poll() is None:
+            finally:  # (what it started is killed even if it ended: they would hold its pipes)
+                try:
                     os.killpg(driver.pid, signal.SIGKILL)
-                    driver.wait()
+                except ProcessLookupError:
+                    pass
+                driver.wait()
         finally:
             end_followers(followers)
         return _parse_rows(subprocess.CompletedProcess(driver.args, driver.returncode, stdout, stderr))

@@ -29,10 +29,20 @@ _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def usable_cores() -> int:
+    """The cores this process may use: its affinity, capped by its cgroup's CPU quota
+    (``cpu.max``: a pod's CPU limit on a larger host)."""
     try:
-        return len(os.sched_getaffinity(0))
+        count = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here
+    return max(1, count)
 
 
 def parse_size(text: str) -> int:

@@ -195,8 +195,11 @@ class RpcFuture(concurrent.futures.Future):
                 raise
             call.expire()
         except Exception as e:
-            if e is not call.executor.failure.error and not call.executor._closed:
+            ex = call.executor
+            if e is not ex.failure.error and not ex._closed:
                 raise
+            if e is not ex.failure.error:  # shut down: settled now, not once the workers ended
+                call.settle(False, ex.failure.error or e)
             # the failure or the shutdown settles this future (maybe this very moment):
             # result() and exception() give it as they give any outcome
 
@@ -471,6 +474,8 @@ class InprocExecutor(Executor):
 
         method = self._check_call(method, unique_reply_rank)
         with self._numbering:
+            if self._closed:  # (a shutdown settles only the calls numbered before it)
+                raise ZbusError("executor is shut down")
             self._seq += 1
             seq = self._seq
             # a method may return a Future, answered later: a blocking call waits on this one
@@ -490,7 +495,8 @@ class InprocExecutor(Executor):
                                     else min(left, Completer.SLICE_S))
 
     def shutdown(self) -> None:
-        self._closed = True
+        with self._numbering:
+            self._closed = True
         self.failure.close()
         # Calls whose method returned a Future not yet answered: failed, as the other
         # backend fails its pending calls (an answer that comes later is dropped).
@@ -1196,24 +1202,29 @@ class MultiprocExecutor(Executor):
 
     def _shut_down_once(self) -> None:
         self.failure.close()  # exits from now on are expected
-        self._completer.stop()
-        # Names first (gone already unless the start failed): a driver killed while it
-        # waits for its workers below must not leave a name behind.
-        self._unlink_names()
         # A failure callback run by a caller that holds a lock shuts down on its thread:
         # it has the lock already (waiting for it would wait out the timeouts below).
         own_send, own_recv = self._send_lock.held_here(), self._recv_lock.held_here()
-        sending = own_send or self._send_lock.acquire(timeout=1.0)
-        if not sending:  # a caller is blocked sending: cancel it, it raises ZbusError
-            self.failure.cancel_waits()
-            sending = self._send_lock.acquire(timeout=5.0)
-        # Holding the send lock: no new call starts (callers re-check _closed). Every
-        # step runs whatever cut the one before short (Ctrl-C in the wait for the
-        # workers): a later shutdown returns at once, so this one is the only one.
+        sending, stopped = own_send, False
+        # Every step runs whatever cuts one short (Ctrl-C in a wait below): a later
+        # shutdown returns at once, so this one is the only one.
         try:
+            self._completer.stop()
+            # Names first (gone already unless the start failed): a driver killed while
+            # it waits for its workers below must not leave a name behind.
+            self._unlink_names()
+            sending = own_send or self._send_lock.acquire(timeout=1.0)
+            if not sending:  # a caller is blocked sending: cancel it, it raises ZbusError
+                self.failure.cancel_waits()
+                sending = self._send_lock.acquire(timeout=5.0)
+            # holding the send lock: no new call starts (callers re-check _closed)
             self._stop_workers(sending)
+            stopped = True
         finally:
             try:
+                if not stopped and self._workers is not None:  # cut short before they were asked
+                    self._workers.kill()
+                    self._workers.close()
                 self._wake_callers()
                 receiving = own_recv or self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
                 try:

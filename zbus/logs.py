@@ -11,7 +11,7 @@ def setup_logging(prefix: str = "", level: str | None = None) -> None:
     """Configure the root logger of a zbus process (agents, workers, CLI).
     ``level`` defaults to ``ZBUS_LOG_LEVEL`` (default WARNING)."""
     level = (level or os.environ.get("ZBUS_LOG_LEVEL") or "WARNING").upper()
-    unknown = level not in logging.getLevelNamesMapping()  # a misspelt level must not stop a process
+    unknown = not isinstance(logging.getLevelName(level), int)  # a misspelt level must not stop a process
     tag = f"[{prefix}] " if prefix else ""
     logging.basicConfig(level="WARNING" if unknown else level, force=True,
                         format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")

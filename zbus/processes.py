@@ -18,6 +18,7 @@ import weakref
 from typing import Callable
 
 from . import shm
+from .config import usable_cores
 
 log = logging.getLogger(__name__)
 KILL_WAIT_S = 10.0  # how long a SIGKILLed worker is waited for before it is left behind
@@ -70,7 +71,7 @@ def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str,
     })
     if "OMP_NUM_THREADS" not in env:
         share = extra.get(THREADS_ENV) == "share"
-        cores = len(os.sched_getaffinity(0)) if share else 1
+        cores = usable_cores() if share else 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // place["local_world_size"]))
         env[THREADS_ENV] = "shared" if share else "one"
     gpus = _visible_gpus()

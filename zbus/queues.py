@@ -17,9 +17,10 @@ it keeps, so no send waits past its deadline for a peer to read.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import zmq
 
@@ -444,6 +445,8 @@ class ReplySender(ZmqSender):
         frames = codec.encode(obj)
         seq = obj[1] if type(obj) is list and len(obj) == 4 and type(obj[1]) is int else 0
         with self._lock:
+            if self._closing.is_set():  # (the socket is being closed: no thread may use it)
+                raise Cancelled("reply sender closed")
             self.put_frames(frames, timeout, self._closing)
             if seq > 0:
                 kept = [f if type(f) is bytes else bytes(f) for f in frames]
@@ -479,22 +482,32 @@ class ReplySender(ZmqSender):
         still holds; the leader sorts them out). Our own copies: no release to
         wait for."""
         with self._lock:
+            if self._closing.is_set():
+                return
             for _, frames, _ in self._kept:
                 send_frames(self.sock, frames, None, "reply sent again", self._closing)
             self.sent_again += len(self._kept)
 
     def close(self, linger_s: float = 1.0) -> None:
-        self._closing.set()  # a put or send again waiting for room gives up (within 0.1 s)
+        self._closing.set()  # a put or send again waiting for room gives up (within 0.1 s),
+        with self._lock_or_not():  # and none starts again: no thread uses the socket
+            try:
+                self.sock.disable_monitor()  # the monitor thread gets MONITOR_STOPPED and ends
+            except zmq.ZMQError:
+                pass
+        self._thread.join(2.0)  # (without the lock: it may be waiting for it, to return)
+        with self._lock_or_not():
+            super().close(linger_s)
+
+    @contextlib.contextmanager
+    def _lock_or_not(self) -> Iterator[None]:
+        """The socket's lock, or after 2 s without it (a send stuck in ZeroMQ)."""
         locked = self._lock.acquire(timeout=2.0)
         try:
-            self.sock.disable_monitor()  # the monitor thread gets MONITOR_STOPPED and ends
-        except zmq.ZMQError:
-            pass
+            yield
         finally:
             if locked:
                 self._lock.release()
-        self._thread.join(2.0)
-        super().close(linger_s)
 
 
 class ZmqReceiver:
