@@ -655,6 +655,152 @@ static PyObject *core_bell_recv(PyObject *self, PyObject *arg) {
     return PyErr_SetFromErrno(PyExc_OSError);
 }
 
+/* --- the codec's header walk (zbus.codec._walk_py, item by item in Python) --- */
+
+enum { WALK_OK, WALK_TRUNCATED, WALK_OVER_BUDGET, WALK_BODY_LENGTH, WALK_EXT_CODE, WALK_RESERVED,
+       WALK_PAST_END, WALK_TOO_DEEP };
+#define WALK_MAX_DEPTH 64
+
+/* msgpack's type bytes: the size of an item that is a type byte and a fixed payload, else 0 */
+static unsigned char walk_fixed[256];
+
+static void walk_init(void) {
+    for (int b = 0; b < 256; b++) {
+        int n = 0;
+        if (b < 0x80 || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3)
+            n = 1;
+        else if (b >= 0xa0 && b <= 0xbf)
+            n = 1 + (b & 0x1f);
+        else if (b == 0xca || b == 0xce || b == 0xd2)
+            n = 5;
+        else if (b == 0xcb || b == 0xcf || b == 0xd3)
+            n = 9;
+        else if (b == 0xcc || b == 0xd0)
+            n = 2;
+        else if (b == 0xcd || b == 0xd1)
+            n = 3;
+        walk_fixed[b] = (unsigned char)n;
+    }
+}
+
+/* A big-endian count of `w` bytes at `p`, of those before `end` only (as Python's slice). */
+static uint64_t walk_count(const unsigned char *d, Py_ssize_t p, int w, Py_ssize_t end) {
+    uint64_t v = 0;
+    for (int i = 0; i < w && p + i < end; i++)
+        v = v << 8 | d[p + i];
+    return v;
+}
+
+static int walk_ext_code(int c) { return c >= 1 && c <= 7; }
+
+/* The walk itself: WALK_OK with *spent, or why not (*reserved: the type byte). */
+static int walk(const unsigned char *d, Py_ssize_t end, long long budget, long long *spent_out, int *reserved) {
+    Py_ssize_t pos = 0, body_end = -1;
+    uint64_t left = 1;
+    long long spent = 0;
+    struct { uint64_t left; Py_ssize_t body_end; } stack[WALK_MAX_DEPTH];
+    int depth = 0;
+    for (;;) {
+        while (left) { /* scalars */
+            if (pos >= end)
+                return WALK_TRUNCATED;
+            int size = walk_fixed[d[pos]];
+            if (!size)
+                break;
+            if (size > 1)
+                spent += 48 + 2 * size;
+            pos += size;
+            left--;
+        }
+        if (!left) {
+            if (body_end >= 0 && pos != body_end)
+                return WALK_BODY_LENGTH;
+            if (!depth) {
+                if (spent > budget)
+                    return WALK_OVER_BUDGET;
+                *spent_out = spent;
+                return WALK_OK;
+            }
+            depth--;
+            left = stack[depth].left;
+            body_end = stack[depth].body_end;
+            continue;
+        }
+        int b = d[pos];
+        left--;
+        uint64_t items;
+        Py_ssize_t inner_end = -1;
+        int w = b == 0xc4 || b == 0xd9 ? 1 : b == 0xc5 || b == 0xda ? 2 : b == 0xc6 || b == 0xdb ? 4 : 0;
+        if (w) { /* bin, str */
+            uint64_t n = walk_count(d, pos + 1, w, end);
+            pos += 1 + w + (Py_ssize_t)n;
+            spent += 56 + 2 * (long long)n;
+            continue;
+        }
+        if (b >= 0x80 && b <= 0x9f) { /* fixmap, fixarray */
+            items = (uint64_t)(b & 0x0f) * (b < 0x90 ? 2 : 1);
+            pos += 1;
+            spent += b < 0x90 ? 160 + 24 * (long long)items : 64 + 16 * (long long)items;
+        } else if (b >= 0xdc && b <= 0xdf) { /* array16/32, map16/32 */
+            int cw = b == 0xdc || b == 0xde ? 2 : 4, each = b >= 0xde ? 2 : 1;
+            items = walk_count(d, pos + 1, cw, end) * each;
+            pos += 1 + cw;
+            spent += each == 2 ? 160 + 24 * (long long)items : 64 + 16 * (long long)items;
+        } else if ((b >= 0xd4 && b <= 0xd8) || (b >= 0xc7 && b <= 0xc9)) { /* fixext, ext */
+            int ew = b == 0xc7 ? 1 : b == 0xc8 ? 2 : b == 0xc9 ? 4 : 0;
+            uint64_t size = ew ? walk_count(d, pos + 1, ew, end) : (uint64_t)1 << (b - 0xd4);
+            if (pos + 1 + ew >= end)
+                return WALK_TRUNCATED;
+            int code = d[pos + 1 + ew];
+            if (!walk_ext_code(code))
+                return WALK_EXT_CODE;
+            items = 1;
+            pos += 2 + ew;
+            inner_end = pos + (Py_ssize_t)size;
+            spent += code == 2 ? 1280 : code == 3 ? 640 : code == 4 ? 304 : 64;
+        } else {
+            *reserved = b;
+            return WALK_RESERVED;
+        }
+        if (items > (uint64_t)((inner_end < 0 ? end : inner_end) - pos) || (inner_end < 0 ? end : inner_end) < pos)
+            return WALK_PAST_END;
+        if (depth >= WALK_MAX_DEPTH)
+            return WALK_TOO_DEEP;
+        if (spent > budget)
+            return WALK_OVER_BUDGET;
+        stack[depth].left = left;
+        stack[depth].body_end = body_end;
+        depth++;
+        left = items;
+        body_end = inner_end;
+    }
+}
+
+PyDoc_STRVAR(walk_doc,
+             "walk(data, budget)\n--\n\n"
+             "zbus.codec._walk_py on the bytes ``data``, without the GIL: ``(0, spent)``, or\n"
+             "``(why, type byte)`` where it refuses the header (see zbus.codec._walk).");
+
+static PyObject *core_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "walk(data, budget)");
+        return NULL;
+    }
+    long long budget = PyLong_AsLongLong(args[1]);
+    if (budget == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    long long spent = 0;
+    int reserved = 0, why;
+    Py_BEGIN_ALLOW_THREADS
+    why = walk((const unsigned char *)view.buf, view.len, budget, &spent, &reserved);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(iL)", why, why == WALK_OK ? spent : (long long)reserved);
+}
+
 static PyMethodDef core_methods[] = {
     {"bell_recv", core_bell_recv, METH_O, bell_recv_doc},
     {"fence", core_fence, METH_NOARGS, fence_doc},
@@ -665,6 +811,7 @@ static PyMethodDef core_methods[] = {
     {"relay_ready", core_relay_ready, METH_NOARGS, relay_ready_doc},
     {"relay_one", (PyCFunction)(void (*)(void))core_relay_one, METH_FASTCALL, relay_one_doc},
     {"wait_readable", (PyCFunction)(void (*)(void))core_wait_readable, METH_FASTCALL, wait_readable_doc},
+    {"walk", (PyCFunction)(void (*)(void))core_walk, METH_FASTCALL, walk_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -673,4 +820,7 @@ static struct PyModuleDef core_module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__core(void) { return PyModule_Create(&core_module); }
+PyMODINIT_FUNC PyInit__core(void) {
+    walk_init();
+    return PyModule_Create(&core_module);
+}

@@ -24,11 +24,12 @@ import re
 import sys
 import threading
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 
 from .errors import CodecError
+from .shm import core as _core
 
 # Extension type codes: part of the wire format.
 _TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT = 1, 2, 3, 4, 5, 6, 7
@@ -605,6 +606,29 @@ def object_bytes(header: Any, most: int | None = None) -> int:
 
 
 def _walk(data: bytes, budget: int | None = None) -> int:
+    """:func:`_walk_py`, in the compiled core where it is built (item by item in
+    Python, a header built to be slow to check took seconds a MiB)."""
+    if _core is None:
+        return _walk_py(data, budget)
+    why, value = _core.walk(data, _NO_BUDGET if budget is None else min(budget, _NO_BUDGET))
+    if why:
+        raise _WALK_REFUSALS[why](value)
+    return value
+
+
+_NO_BUDGET = (1 << 63) - 1
+_WALK_REFUSALS: dict[int, Callable[[int], Exception]] = {  # the compiled walk's answers, as _walk_py's
+    1: lambda _: IndexError("index out of range"),
+    2: lambda _: _OverBudget(),
+    3: lambda _: CodecError("an extension body of the wrong length"),
+    4: lambda _: CodecError("unknown extension type"),
+    5: lambda b: CodecError(f"reserved type byte 0x{b:02x}"),
+    6: lambda _: CodecError("a count or length reaches past the end of the header"),
+    7: lambda _: CodecError(f"maps, arrays and extension types nested deeper than {MAX_DEPTH}"),
+}
+
+
+def _walk_py(data: bytes, budget: int | None = None) -> int:
     """Follow the type bytes: nesting, counts and lengths that reach past the end,
     extension codes and body lengths (one list of levels, no recursion). With a
     ``budget``, also estimate the bytes of the objects msgpack would build, from
