@@ -343,6 +343,39 @@ def test_a_signal_does_not_lengthen_a_doorbell_sleep(bell_core):
     assert handled and 0.25 < took < 1.5, (len(handled), took)
 
 
+@pytest.mark.parametrize("poll", ["compiled", "python"])
+def test_ctrl_c_ends_a_poll_for_the_next_message_at_once(monkeypatch, poll):
+    """A reader polling for its next message (an engine's workers poll between
+    steps) is ended by Ctrl-C at once on both cores: the Python twin's loop runs
+    the signal's handler between its steps, the compiled poll takes the GIL every
+    5 ms for it. Before, the compiled poll held a Ctrl-C back for the whole poll
+    (up to a second with ``poll_after_call_s``; 10 s here). Sabotage: no signal
+    check in ``_core.poll`` -> the KeyboardInterrupt comes 10 s late."""
+    if poll == "python":
+        monkeypatch.setattr(ring, "_core", None)
+    elif ring._core is None:
+        pytest.skip("the compiled core is not built here (or ZBUS_PURE_PYTHON)")
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 10.0, 600))
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    start = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reader.recv(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        reader.close()
+        writer.close()
+    assert took < 5, f"Ctrl-C ended the poll {took:.1f} s later"
+
+
 def test_rings_left_at_other_doorbells_do_not_stop_a_wake_up():
     """Sabotage: ring every doorbell through one shared non-blocking socket (the old
     ``shm._ringer``): rings queued at idle doorbells fill its send buffer, the

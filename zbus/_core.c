@@ -272,13 +272,18 @@ PyDoc_STRVAR(poll_doc,
              "Wait, without the GIL, until u64 word ``index`` of ``mapping`` is over ``above``\n"
              "or any u32 word in the tuple ``stops`` is nonzero: spin ``spin_s``, then call\n"
              "sched_yield until ``yield_s`` more have passed. Returns whether the wait ended\n"
-             "that way (False: the time ran out; the caller then sleeps on its doorbell).");
+             "that way (False: the time ran out; the caller then sleeps on its doorbell). In the\n"
+             "main thread a signal's handlers run within SIGNAL_CHECK_S, as between the Python\n"
+             "twin's steps: Ctrl-C ends the poll (its exception raised).");
 
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
+
+#define SIGNAL_CHECK_S 0.005
+static unsigned long main_thread_ident; /* threading.main_thread().ident, at import */
 
 static int ready(const char *base, Py_ssize_t index, uint64_t above, const Py_ssize_t *stops, Py_ssize_t nstops) {
     if (load_u64(base + 8 * index) > above)
@@ -319,19 +324,33 @@ static PyObject *core_poll(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     const char *base = (const char *)view.buf;
-    int got = 0;
+    int got = 0, interrupted = 0, signals = PyThread_get_thread_ident() == main_thread_ident;
     Py_BEGIN_ALLOW_THREADS
-    double now = now_s(), spin_end = now + spin_s, yield_end;
-    while (!(got = ready(base, index, above, stops, nstops)) && now < spin_end)
-        now = now_s();
-    yield_end = now + yield_s;
-    while (!got && now < yield_end) {
-        sched_yield();
+    double now = now_s(), spin_end = now + spin_s, yield_end, check_at = now + SIGNAL_CHECK_S;
+    for (int yielding = 0; !got && !interrupted; ) {
         got = ready(base, index, above, stops, nstops);
+        if (got)
+            break;
+        if (!yielding && now >= spin_end) {
+            yielding = 1;
+            yield_end = now + yield_s;
+        }
+        if (yielding && now >= yield_end)
+            break;
+        if (yielding)
+            sched_yield();
         now = now_s();
+        if (signals && now >= check_at) { /* (the GIL for a moment: a signal's handlers run in it) */
+            check_at = now + SIGNAL_CHECK_S;
+            Py_BLOCK_THREADS
+            interrupted = PyErr_CheckSignals() < 0;
+            Py_UNBLOCK_THREADS
+        }
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
+    if (interrupted)
+        return NULL;
     return PyBool_FromLong(got);
 }
 
@@ -822,5 +841,14 @@ static struct PyModuleDef core_module = {
 
 PyMODINIT_FUNC PyInit__core(void) {
     walk_init();
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
+    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+    main_thread_ident = ident ? PyLong_AsUnsignedLong(ident) : 0;
+    Py_XDECREF(ident);
+    Py_XDECREF(main);
+    Py_XDECREF(threading);
+    if (PyErr_Occurred())
+        return NULL;
     return PyModule_Create(&core_module);
 }
