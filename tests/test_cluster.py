@@ -745,6 +745,58 @@ def bare_leader(nnodes: int):
     return Leader(settings, lambda **kw: Broadcaster(0, **kw)), port
 
 
+def test_a_node_dropped_while_joining_is_told_again_when_it_answers_late():
+    """A node welcomed as rank 1 whose answer to the probes comes after the liveness
+    limit (a partition) is dropped, and the notice, sent while it could not hear,
+    is lost. When its late ``subscribed`` arrives, the leader tells it again that it
+    was dropped. Before, the late answer was ignored without a word: the node
+    believed it held rank 1, kept alive by the leader's heartbeats, while formation
+    waited for rank 1 until its timeout. Sabotage: return at once in
+    ``Membership._on_subscribed`` for a node not being probed -> no notice."""
+    from zbus.protocol import PROTOCOL_VERSION
+
+    lead, port = bare_leader(nnodes=2)
+    lead.membership._welcome_spec = {"spec": {}, "torch_port": 0, "env": {}}  # (what admit sets)
+    ctx = zmq.Context()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    node_id = "e" * 16
+    mine = node_topic(node_id)
+
+    def heard(kind: str, within: float) -> list | None:
+        end = time.monotonic() + within
+        while (left := end - time.monotonic()) > 0 and sub.poll(int(left * 1000) + 1):
+            topic, *frames = sub.recv_multipart()
+            msg = codec.decode(frames) if topic == mine else None
+            if msg and msg[0] == kind:
+                return msg
+        return None
+
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, mine)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        lead.start()
+        info = {"version": PROTOCOL_VERSION, "nproc": 1, "host": "partitioned", "address": "127.0.0.1",
+                "node_rank": 1, "pid": 1}
+        deadline = time.monotonic() + 20
+        while not heard("welcome", 0.3):  # (it joins again until its welcome comes)
+            assert time.monotonic() < deadline, "no welcome"
+            push.send_multipart(codec.encode(["join", node_id, info]))
+        sub.setsockopt(zmq.UNSUBSCRIBE, mine)  # the partition: what the leader says now is lost
+        wait_until(lambda: node_id not in lead.membership._probing, 10, "the node dropped (liveness 1 s)")
+        sub.setsockopt(zmq.SUBSCRIBE, mine)  # the link is back (the answer goes again until heard)
+        got = None
+        for _ in range(20):
+            push.send_multipart(codec.encode(["subscribed", node_id]))  # its late answer
+            if (got := heard("dropped", 0.5)) is not None:
+                break
+        assert got is not None, "the node was not told it was dropped"
+        assert 1 not in lead.membership.nodes
+    finally:
+        lead.close()
+        ctx.destroy(linger=0)
+
+
 def test_a_value_from_the_network_is_named_without_a_repr_of_its_bytes():
     """Log lines and errors (a protocol error, a failed start) name what came with
     ``brief``: 64 MiB of bytes in it cost a cut of 80, not a repr of 64 MiB (256

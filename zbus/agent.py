@@ -396,6 +396,7 @@ class NodeAgent:
     def _ends(self, msg: Any) -> bool:
         """Act on the leader's word for this node; whether the node ends now."""
         if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
+            self._subscribed = False  # no member: its "leaving" would name a rank another may hold
             raise ZbusError(f"the leader dropped this node: {str(msg[1:])[:200]}")
         if msg == ["stopping"]:
             self.workers.stopping = True

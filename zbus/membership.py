@@ -232,8 +232,14 @@ class Membership:
                                               f"workers: {why}"))
 
     def _on_subscribed(self, node_id: Any) -> None:
-        node = self._probing.pop(node_id, None)
+        node = self._probing.pop(node_id, None) if type(node_id) is str else None
         if node is None:
+            if type(node_id) is str and len(node_id) <= 32 and \
+                    not any(n.node_id == node_id for n in self.nodes.values()):
+                # welcomed once, dropped since (the notice may have found it unable to
+                # hear): it must not take itself for a member, so it is told again
+                self.path.send_control(node_topic(node_id), ["dropped", "not a member: dropped while "
+                                                             "joining"], timeout=0.1, wait=False)
             return
         node.last_seen = time.monotonic()
         with self.cond:
