@@ -1320,11 +1320,16 @@ def test_a_node_that_gives_up_tells_the_leader_why():
         assert lead.path.send_control(node_topic(lead.nodes[2].node_id) + TOPIC_RPC + protocol.PARTS,
                                       ["not", "parts"])
         assert procs[1].wait(10) == 1
-        wait_until(lambda: ex.failure.error is not None, 10, "the executor failing")
-        error = ex.failure.error
-        print(f"failed {time.monotonic() - t0:.2f} s after the bad call: {error}")
-        assert isinstance(error, zbus.NodeLostError) and error.node_rank == 2, repr(error)
-        assert "malformed call from the leader" in str(error), str(error)
+        node_2_left_saying(ex, t0, "malformed call from the leader")
+
+
+def node_2_left_saying(ex: zbus.Executor, since: float, why: str) -> None:
+    """The executor fails (within 10 s) with node 2 lost, for the reason ``why``."""
+    wait_until(lambda: ex.failure.error is not None, 10, "the executor failing")
+    error = ex.failure.error
+    print(f"failed {time.monotonic() - since:.2f} s later: {error}")
+    assert isinstance(error, zbus.NodeLostError) and error.node_rank == 2, repr(error)
+    assert why in str(error), str(error)
 
 
 def test_a_follower_stopped_by_sigterm_ends_its_workers_and_tells_the_leader():
@@ -1338,11 +1343,7 @@ def test_a_follower_stopped_by_sigterm_ends_its_workers_and_tells_the_leader():
         procs[1].terminate()
         assert procs[1].wait(15) == 143
         assert psutil.wait_procs(node2, timeout=10)[1] == []  # its worker ended with it
-        wait_until(lambda: ex.failure.error is not None, 10, "the executor failing")
-        error = ex.failure.error
-        print(f"failed {time.monotonic() - t0:.2f} s after SIGTERM: {error}")
-        assert isinstance(error, zbus.NodeLostError) and error.node_rank == 2, repr(error)
-        assert "stopped (SIGTERM" in str(error), str(error)
+        node_2_left_saying(ex, t0, "stopped (SIGTERM")
 
 
 def test_a_caller_waiting_to_send_when_the_executor_fails_sends_nothing():

@@ -305,6 +305,27 @@ def test_replies_of_a_rank_a_call_did_not_ask_are_not_kept():
         assert proc.wait(30) == 0
 
 
+def survives_flood(ex: zbus.Executor, port: int, mode: str, count: int, size: int, reason: str,
+                   calls_timeout: float | None = None) -> int:
+    """Flood ``ex``'s leader (``flood``), with calls to rank 0 and 1 made meanwhile
+    when ``calls_timeout`` is given (how many: returned); every message is dropped
+    for ``reason``, and a liveness period later the node is still there."""
+    assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+    before = ex._leader.dropped_by.get(reason, 0)
+    sender = flood(port, mode, count, size)
+    calls = 0
+    while calls_timeout is not None and sender.poll() is None and calls < 1000:
+        assert ex.collective_rpc("rank_value", args=(1,), timeout=calls_timeout) == [10, 11]
+        calls += 1
+    assert sender.wait(60) == 0
+    wait_until(lambda: ex._leader.dropped_by.get(reason, 0) - before >= count, 60,
+               f"{count} messages dropped ({reason})")
+    time.sleep(2.5)  # a liveness period: a node whose heartbeats went unread is lost by now
+    ex.check_health()
+    assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+    return calls
+
+
 @pytest.fixture
 def slow_header_walk(monkeypatch):
     """The codec's header walk in Python (``_walk_py``) in this process, the leader's:
@@ -329,15 +350,7 @@ def test_a_reply_to_a_call_not_in_flight_is_dropped_before_it_is_decoded(slow_he
     proc = follower(port, "--node-rank", "1")
     try:
         with executor(port, liveness_s=2.0) as ex:
-            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
-            before = ex._leader.dropped_by.get("unexpected-reply", 0)
-            sender = flood(port, "slowreply", 10, 4 * MiB)
-            assert sender.wait(60) == 0
-            wait_until(lambda: ex._leader.dropped_by.get("unexpected-reply", 0) - before >= 10, 60,
-                       "10 replies to calls never sent dropped")
-            time.sleep(2.5)  # a liveness period: a node whose heartbeats went unread is lost by now
-            ex.check_health()
-            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+            survives_flood(ex, port, "slowreply", 10, 4 * MiB, "unexpected-reply")
         assert proc.wait(30) == 0
     finally:
         end_process(proc)
@@ -367,21 +380,9 @@ def test_small_messages_that_would_decode_into_millions_of_objects_stall_no_read
     proc = follower(port, "--node-rank", "1")
     try:
         with executor(port, liveness_s=2.0) as ex:
-            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
-            before = ex._leader.dropped_by.get("too-big", 0)
-            sender = flood(port, "lists", 600, 65000)
-            calls = 0
-            while sender.poll() is None and calls < 1000:
-                assert ex.collective_rpc("rank_value", args=(1,), timeout=1.0) == [10, 11]
-                calls += 1
-            assert sender.wait(60) == 0
-            wait_until(lambda: ex._leader.dropped_by.get("too-big", 0) - before >= 600, 60,
-                       "600 messages refused")
+            calls = survives_flood(ex, port, "lists", 600, 65000, "too-big", calls_timeout=1.0)
             assert decoded_big == [], f"{len(decoded_big)} of the flood's messages decoded"
             print(f"{calls} calls answered during the flood")
-            time.sleep(2.5)  # a liveness period: a node whose heartbeats went unread is lost by now
-            ex.check_health()
-            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
         assert proc.wait(30) == 0
     finally:
         end_process(proc)
