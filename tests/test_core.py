@@ -394,3 +394,42 @@ def test_the_header_walk_answers_as_its_twin(value, ext, cut, flips, budget, noi
     assert codec._core is core  # (the compiled walk is the one under test)
     for header in (bytes(data), noise, b"\x91" * (cut % 80) + b"\x90", b"\xdd\xff\xff\xff\xff" + noise):
         assert _walked(codec._walk, header, budget) == _walked(codec._walk_py, header, budget)
+
+
+@needs_core
+@pytest.mark.parametrize("wait", ["poll", "wait_readable"])
+def test_ctrl_c_ends_a_wait_of_the_core_at_once(wait):
+    """Ctrl-C ends the core's waits without the GIL in the main thread at once: the
+    ring's poll and the relay's wait for a message (a follower's agent waits so
+    between calls, in its main thread). Before, both held it back for the whole
+    wait. Sabotage: no signal check in ``_core.wait_readable`` (or ``_core.poll``)
+    -> the KeyboardInterrupt comes 10 s late."""
+    import signal
+
+    import zmq
+
+    if wait == "wait_readable" and not core.relay_ready():
+        pytest.skip("the core did not find libzmq")
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("tcp://127.0.0.1:*")
+    words = bytearray(64)
+    run = {"poll": lambda: core.poll(memoryview(words).cast("Q"), 0, 0, (), 0.0, 10.0),
+           "wait_readable": lambda: core.wait_readable(pull.underlying, 10.0)}[wait]
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    start = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run()
+        took = time.monotonic() - start
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        pull.close(linger=0)
+        ctx.term()
+    assert took < 5, f"Ctrl-C ended the wait {took:.1f} s later"

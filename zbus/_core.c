@@ -23,6 +23,8 @@
 #error "the ring's words are little-endian; this core supports little-endian machines only"
 #endif
 
+_Static_assert(sizeof(Py_ssize_t) == 8, "the header walk and the ring's offsets assume 64-bit sizes");
+
 #define ALIGN 64
 #define MAX_PARTS 64 /* frames and their parts in one message, on the stack; more take the Python path */
 
@@ -285,6 +287,19 @@ static double now_s(void) {
 #define SIGNAL_CHECK_S 0.005
 static unsigned long main_thread_ident; /* threading.main_thread().ident, at import */
 
+/* For a wait without the GIL in the main thread: every SIGNAL_CHECK_S, take the GIL
+ * (`save`: the wait's thread state) and run a signal's handlers, as they run between
+ * the Python twin's steps. Whether one raised (Ctrl-C): the wait then ends, raising it. */
+static int signal_raised(PyThreadState **save, double now, double *check_at) {
+    if (now < *check_at)
+        return 0;
+    *check_at = now + SIGNAL_CHECK_S;
+    PyEval_RestoreThread(*save);
+    int raised = PyErr_CheckSignals() < 0;
+    *save = PyEval_SaveThread();
+    return raised;
+}
+
 static int ready(const char *base, Py_ssize_t index, uint64_t above, const Py_ssize_t *stops, Py_ssize_t nstops) {
     if (load_u64(base + 8 * index) > above)
         return 1;
@@ -331,21 +346,16 @@ static PyObject *core_poll(PyObject *self, PyObject *const *args, Py_ssize_t nar
         got = ready(base, index, above, stops, nstops);
         if (got)
             break;
-        if (!yielding && now >= spin_end) {
+        if (!yielding && !(now < spin_end)) { /* (a NaN ends it, as in the twin) */
             yielding = 1;
             yield_end = now + yield_s;
         }
-        if (yielding && now >= yield_end)
+        if (yielding && !(now < yield_end))
             break;
         if (yielding)
             sched_yield();
         now = now_s();
-        if (signals && now >= check_at) { /* (the GIL for a moment: a signal's handlers run in it) */
-            check_at = now + SIGNAL_CHECK_S;
-            Py_BLOCK_THREADS
-            interrupted = PyErr_CheckSignals() < 0;
-            Py_UNBLOCK_THREADS
-        }
+        interrupted = signals && signal_raised(&_save, now, &check_at);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
@@ -485,7 +495,8 @@ static int call_envelope_seq(const unsigned char *p, size_t n, uint64_t *seq) {
 PyDoc_STRVAR(wait_readable_doc,
              "wait_readable(socket, seconds)\n--\n\n"
              "Call sched_yield, without the GIL, until the ZeroMQ socket at address ``socket``\n"
-             "has a message or ``seconds`` have passed: whether it has one.");
+             "has a message or ``seconds`` have passed: whether it has one. In the main thread a\n"
+             "signal's handlers run within SIGNAL_CHECK_S (Ctrl-C ends the wait).");
 
 static PyObject *core_wait_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -500,17 +511,21 @@ static PyObject *core_wait_readable(PyObject *self, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
         return NULL;
     }
-    int events = 0, rc = 0;
+    int events = 0, rc = 0, interrupted = 0, signals = PyThread_get_thread_ident() == main_thread_ident;
     Py_BEGIN_ALLOW_THREADS
-    double end = now_s() + seconds;
+    double now = now_s(), end = now + seconds, check_at = now + SIGNAL_CHECK_S;
     do {
         size_t size = sizeof events;
         rc = z_getsockopt(sock, 15 /* ZMQ_EVENTS */, &events, &size);
         if (rc < 0 || events & 1 /* ZMQ_POLLIN */)
             break;
         sched_yield();
-    } while (now_s() < end);
+        now = now_s();
+        interrupted = signals && signal_raised(&_save, now, &check_at);
+    } while (!interrupted && now < end);
     Py_END_ALLOW_THREADS
+    if (interrupted)
+        return NULL;
     if (rc < 0) {
         errno = z_errno();
         return PyErr_SetFromErrno(PyExc_OSError);

@@ -88,6 +88,7 @@ class Membership:
         self._joins: dict[str, dict] = {}
         self._subscribed: set[bytes] = set()
         self._probing: dict[str, NodeInfo] = {}
+        self._dropped_ids: dict[str, None] = {}  # dropped while probed (the latest, in order)
         self._welcome_spec: dict = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -193,6 +194,9 @@ class Membership:
         for node_id, node in list(self._probing.items()):
             if now - node.last_seen > self.settings.liveness_s:
                 del self._probing[node_id]
+                self._dropped_ids[node_id] = None
+                while len(self._dropped_ids) > MAX_PENDING_JOINS:
+                    self._dropped_ids.pop(next(iter(self._dropped_ids)))
                 log.warning("node %s (rank %d) never answered the probes within %.1f s: dropped",
                             node.host, node.node_rank, self.settings.liveness_s)
                 self.path.send_control(node_topic(node_id), ["dropped", "no answer to the probes in time"],
@@ -234,10 +238,11 @@ class Membership:
     def _on_subscribed(self, node_id: Any) -> None:
         node = self._probing.pop(node_id, None) if type(node_id) is str else None
         if node is None:
-            if type(node_id) is str and len(node_id) <= 32 and \
-                    not any(n.node_id == node_id for n in self.nodes.values()):
+            if node_id in self._dropped_ids:
                 # welcomed once, dropped since (the notice may have found it unable to
-                # hear): it must not take itself for a member, so it is told again
+                # hear): it must not take itself for a member, so it is told again. Only
+                # these: a topic is a prefix, so an id made up (a member's id + "R*")
+                # would reach a member as a malformed call.
                 self.path.send_control(node_topic(node_id), ["dropped", "not a member: dropped while "
                                                              "joining"], timeout=0.1, wait=False)
             return
