@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import stat
 import subprocess
 import sys
@@ -190,6 +191,27 @@ def spawn_python(code: str, *args: str, **kwargs) -> psutil.Popen:
     env = dict(os.environ, PYTHONPATH=TEST_PATH)
     env.update(kwargs.pop("env", {}))
     return psutil.Popen([sys.executable, "-c", code, *args], env=env, **kwargs)
+
+
+def seconds_to_ctrl_c(action, after: float = 0.2) -> float:
+    """Run ``action()`` with Ctrl-C ``after`` seconds in (a kernel timer's SIGALRM,
+    which lands wherever this process is, GIL held or not, and whose handler raises
+    KeyboardInterrupt in the main thread): how long it took to end with it. Fails
+    the test if it ended without it."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    start = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, after)
+    try:
+        action()
+    except KeyboardInterrupt:
+        return time.monotonic() - start
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    raise AssertionError("it ended without the Ctrl-C")
 
 
 def next_line(proc: subprocess.Popen, deadline: float) -> str:

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import end_process, spawn_python
+from conftest import end_process, seconds_to_ctrl_c, spawn_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ring import collect, start_readers
@@ -404,8 +404,6 @@ def test_ctrl_c_ends_a_wait_of_the_core_at_once(wait):
     between calls, in its main thread). Before, both held it back for the whole
     wait. Sabotage: no signal check in ``_core.wait_readable`` (or ``_core.poll``)
     -> the KeyboardInterrupt comes 10 s late."""
-    import signal
-
     import zmq
 
     if wait == "wait_readable" and not core.relay_ready():
@@ -416,20 +414,9 @@ def test_ctrl_c_ends_a_wait_of_the_core_at_once(wait):
     words = bytearray(64)
     run = {"poll": lambda: core.poll(memoryview(words).cast("Q"), 0, 0, (), 0.0, 10.0),
            "wait_readable": lambda: core.wait_readable(pull.underlying, 10.0)}[wait]
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            run()
-        took = time.monotonic() - start
+        took = seconds_to_ctrl_c(run)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         pull.close(linger=0)
         ctx.term()
     assert took < 5, f"Ctrl-C ended the wait {took:.1f} s later"

@@ -18,6 +18,7 @@ from conftest import (
     end_process,
     live_children,
     own_segments,
+    seconds_to_ctrl_c,
     shm_used,
     spawn_python,
     wait_until,
@@ -1781,23 +1782,15 @@ def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_t
     stuck = ex.collective_rpc("stubborn_sleep_marked", args=(marker, 60), non_block=True)
     wait_until(lambda: all(os.path.exists(f"{marker}.{r}") for r in (0, 1)), 30, "both workers in the call")
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
     holder, release = None, threading.Event()
     if where == "waiting to send":  # a caller holds the send lock (the shutdown waits 1 s, then 5 s)
         holder = threading.Thread(target=lambda: (ex._send_lock.acquire(), release.wait(30),
                                                   ex._send_lock.release()))
         holder.start()
         wait_until(lambda: ex._send_lock._owner == holder.ident, 10, "the send lock held")
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, 0.5 if holder else 1.0)  # (the workers: 5 s to end)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            ex.shutdown()
+        seconds_to_ctrl_c(ex.shutdown, 0.5 if holder else 1.0)  # (the workers: 5 s to end)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         release.set()
         if holder is not None:
             holder.join(10)

@@ -17,7 +17,15 @@ import time
 
 import psutil
 import pytest
-from conftest import TEST_PATH, end_process, own_segments, spawn_python, wait_until, zbus_segments
+from conftest import (
+    TEST_PATH,
+    end_process,
+    own_segments,
+    seconds_to_ctrl_c,
+    spawn_python,
+    wait_until,
+    zbus_segments,
+)
 from ring_procs import end_message, make_message
 
 from zbus import ring, shm
@@ -357,20 +365,9 @@ def test_ctrl_c_ends_a_poll_for_the_next_message_at_once(monkeypatch, poll):
         pytest.skip("the compiled core is not built here (or ZBUS_PURE_PYTHON)")
     writer = RingWriter.create(1, RingGeometry(256, 4))
     reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 10.0, 600))
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            reader.recv(timeout=30)
-        took = time.monotonic() - start
+        took = seconds_to_ctrl_c(lambda: reader.recv(timeout=30))
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         reader.close()
         writer.close()
     assert took < 5, f"Ctrl-C ended the poll {took:.1f} s later"
