@@ -18,6 +18,7 @@ caller waiting for its replies included, so no reply wait starves it.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -67,6 +68,17 @@ class NodeInfo:
     core: str = "unknown"  # its ring's core, as the node said (zbus.ring.CORE)
 
 
+
+
+_NODE_ID = re.compile(r"[0-9a-f]{1,32}")
+
+
+def node_id_ok(node_id: Any) -> bool:
+    """Whether ``node_id`` may be a node's id, on whose topic the leader answers: an
+    agent's is 16 hex digits. A topic is a prefix: an id made of a member's and a
+    suffix ("R", "R*") would reach that member as a call; hex digits cannot (and a
+    node topic over 33 bytes is never subscribed)."""
+    return type(node_id) is str and _NODE_ID.fullmatch(node_id) is not None
 
 class Membership:
     """Which nodes belong to the cluster and whether they live: admits them while
@@ -146,8 +158,7 @@ class Membership:
         self._welcome_ready()
 
     def _on_join(self, node_id: Any, info: Any) -> None:
-        # (a node id is 16 hex digits: a node topic longer than 33 bytes is never subscribed)
-        if type(node_id) is not str or not 0 < len(node_id) <= 32 or not isinstance(info, dict):
+        if not node_id_ok(node_id) or not isinstance(info, dict):
             self.path.drop("a malformed join request", "bad-join")
             return
         if node_id in self._probing or any(n.node_id == node_id for n in self.nodes.values()):
@@ -236,7 +247,7 @@ class Membership:
                                               f"workers: {why}"))
 
     def _on_subscribed(self, node_id: Any) -> None:
-        node = self._probing.pop(node_id, None) if type(node_id) is str else None
+        node = self._probing.pop(node_id, None) if node_id_ok(node_id) else None
         if node is None:
             if node_id in self._dropped_ids:
                 # welcomed once, dropped since (the notice may have found it unable to
