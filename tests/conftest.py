@@ -172,6 +172,33 @@ def no_leftovers():
     assert not files, f"the tests left socket files in {tempfile.gettempdir()}: {sorted(files)[:10]}"
 
 
+LEFT_FOR_THE_SWEEP_S = 5.0  # how long a test's ended processes' names get to go
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left_for_the_sweep():
+    """After each test, no zbus segment whose creator has ended may be left. The
+    next executor's or node's start removes such segments (``shm.sweep_stale``), so
+    the session's own check, at its end, would not see a leak of any test but the
+    last: it is caught here, by the test that made it. Sabotage:
+    ``self.ring.close(unlink=False)`` in ``NodeAgent._close`` -> a follower whose
+    worker fails to start leaves its ring's name, and its test fails here (the
+    session's check passed: the next test's start swept the name)."""
+    from zbus import shm
+
+    before = zbus_segments()
+    yield
+    if MUTATION_RUN:
+        return
+    deadline = time.monotonic() + LEFT_FOR_THE_SWEEP_S
+    while True:
+        left = {n for n in zbus_segments() - before if n.startswith("zbus-") and not shm.owner_alive(n)}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"the test left shared memory of processes that ended: {sorted(left)}"
+
+
 def wait_until(condition, timeout: float, what: str, interval: float = 0.01):
     """Poll ``condition()`` until it returns something true, and return that; fail
     the test saying what never happened once ``timeout`` s have passed. Tests wait

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -42,13 +43,44 @@ def test_keygen_makes_the_folders(tmp_path):
                                                          for n in ("leader", "node-1", "node-2")]
 
 
-def test_sigterm_ends_the_demo_with_its_followers_and_removes_its_keys(tmp_path):
+@pytest.mark.parametrize("argv, says", [
+    (["demo", "--steps", "0"], "--steps: '0': expected a whole number of at least 1"),
+    (["demo", "--nproc-per-node", "0"], "--nproc-per-node: '0': expected a whole"),
+    (["keygen", "/nonexistent/k", "--nodes", "-1"], "--nodes: '-1': expected a whole"),
+    (["bench", "import", "bogus"], "unknown scenario 'bogus'"),
+], ids=["demo-steps", "demo-nproc", "keygen-nodes", "bench-scenario"])
+def test_a_bad_flag_is_refused_before_anything_runs(argv, says):
+    """Counts are at least 1 and every scenario name is known before anything runs.
+    Before: ``demo --steps 0`` ran a whole cluster, then failed on the median of
+    no steps; ``--nproc-per-node 0`` became 2; ``bench import bogus`` ran ``import``
+    first. Sabotage: ``type=int`` for ``--steps`` -> a cluster, then a traceback."""
+    out = subprocess.run([sys.executable, "-m", "zbus.cli", *argv], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert "running" not in out.stderr and "Traceback" not in out.stderr
+
+
+def pending_signals(pid: int) -> int:
+    """The mask of the signals sent to process ``pid`` that it has not taken yet."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+
+
+@pytest.mark.parametrize("signals", ["once", "twice"])
+def test_sigterm_ends_the_demo_with_its_followers_and_removes_its_keys(tmp_path, signals):
     """SIGTERM to ``zbus demo`` (a CI job cancelled, ``timeout``, ``docker stop``)
     once its cluster is up: it exits 143, its followers and every worker end, and
     its key folder (the secret keys of the leader and nodes) is gone. Before, the
     signal ended the demo on the spot: the followers ran on until their leader was
     lost and the keys stayed in /tmp. Sabotage: no SIGTERM handler in
-    ``zbus.cli.main`` -> exit -15, keys left."""
+    ``zbus.cli.main`` -> exit -15, keys left.
+
+    ``twice``: a second SIGTERM while the demo waits for a follower slow to end (one
+    stopped with SIGSTOP) still removes the keys and ends that follower. Before, it
+    cut the wait short and the keys stayed. Sabotage: remove the keys after
+    ``end_followers`` in ``zbus.demo.run`` -> keys left; no kill in
+    ``end_followers``'s ``except BaseException`` -> the stopped follower left."""
     env = dict(os.environ, TMPDIR=str(tmp_path), ZBUS_NPROC_PER_NODE="1")
     procs: list[psutil.Process] = []
     demo = psutil.Popen([sys.executable, "-m", "zbus.cli", "demo", "--steps", "1000000"], env=env,
@@ -60,7 +92,15 @@ def test_sigterm_ends_the_demo_with_its_followers_and_removes_its_keys(tmp_path)
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith("zbus-demo-keys-")]
         procs += demo.children(recursive=True)
         assert len(procs) >= 4  # two followers, a worker each, the leader's own worker
+        followers = [p for p in demo.children() if "follower" in p.cmdline()]
+        if signals == "twice":
+            followers[0].suspend()
         demo.terminate()
+        if signals == "twice":  # once the demo waits for the stopped follower to end: it has
+            # sent it SIGTERM, which waits until the follower runs again
+            wait_until(lambda: pending_signals(followers[0].pid) & 1 << (signal.SIGTERM - 1), 60,
+                       "the demo's SIGTERM to the stopped follower")
+            demo.terminate()
         assert demo.wait(30) == 143
         assert psutil.wait_procs(procs, timeout=15)[1] == []
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("zbus-demo-keys-")]
@@ -103,7 +143,10 @@ def test_settings_left_empty_count_as_unset_and_bad_flags_are_usage_errors():
     ring or wait settings refused. ``--join-timeout nan`` (a join retried for
     ever) and a misspelt ``--log-level`` are usage errors (exit 2); a misspelt
     ``ZBUS_LOG_LEVEL`` a warning. Sabotage: the join timeout's default parsed
-    from the environment when the parser is built -> exit 1."""
+    from the environment when the parser is built -> exit 1. Message size limits
+    take a K/M/G suffix and are at least 64K (before: ``ZBUS_MAX_MESSAGE=0`` made
+    the leader drop every join, ``-1`` lifted ZeroMQ's size limit on its sockets,
+    ``4G`` failed ``import zbus``). Sabotage: ``int()`` the variable again."""
     empty = {n: "" for n in ("ZBUS_JOIN_TIMEOUT", "ZBUS_RING", "ZBUS_SPIN_US", "ZBUS_YIELD_US",
                              "ZBUS_WAIT_SLICE", "ZBUS_MAX_MESSAGE", "ZBUS_MAX_REPLY")}
     env = dict(os.environ, **empty)
@@ -116,6 +159,15 @@ def test_settings_left_empty_count_as_unset_and_bad_flags_are_usage_errors():
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and out.stdout.split() == [
         "RingGeometry(chunk_bytes=1048576,", "n_chunks=32)", "0.5", str(4 * 2**30), str(256 * 2**20)], out
+    sizes = "from zbus import cluster, codec; print(codec.MAX_MESSAGE, cluster.max_reply())"
+    out = subprocess.run([sys.executable, "-c", sizes], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, ZBUS_MAX_MESSAGE="4G", ZBUS_MAX_REPLY="1M"))
+    assert out.stdout.split() == [str(4 * 2**30), str(2**20)], out.stderr
+    for name, bad in [("ZBUS_MAX_MESSAGE", "0"), ("ZBUS_MAX_MESSAGE", "-1"), ("ZBUS_MAX_MESSAGE", "lots"),
+                      ("ZBUS_MAX_REPLY", "100")]:  # (0 dropped every join; -1 lifted ZeroMQ's limit)
+        out = subprocess.run([sys.executable, "-c", sizes], capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, **{name: bad}))
+        assert out.returncode == 1 and f"ValueError: {name}={bad!r}: expected a size" in out.stderr, out
     for flags in (["follower", "--join-timeout", "nan"], ["--log-level", "verbose", "status"]):
         out = subprocess.run([sys.executable, "-m", "zbus.cli", *flags], capture_output=True, text=True,
                              timeout=60)

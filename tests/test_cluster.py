@@ -304,7 +304,11 @@ def test_settings_come_from_zbus_then_leaderworkerset_variables(monkeypatch):
 
 def test_explicit_settings_win_over_defaults_and_bad_ones_are_refused(monkeypatch):
     """Sabotage: resolve with ``master_port or env or default`` again: port 0 becomes
-    29650 silently, liveness_s=0 becomes 10, and no ValueError is raised."""
+    29650 silently, liveness_s=0 becomes 10, and no ValueError is raised. A liveness
+    limit outside the range every follower takes is refused by the leader too
+    (before: 1000 s or 0.2 s formed no cluster, every follower refusing its welcome,
+    and ``inf`` broke the leader's I/O loop: a join timeout naming no setting).
+    Sabotage: check ``liveness_s > 0`` only -> no ValueError for 1000."""
     from zbus.cluster import ClusterSettings
 
     for name in ("ZBUS_NNODES", "ZBUS_NPROC_PER_NODE", "ZBUS_MASTER_ADDR", "ZBUS_MASTER_PORT",
@@ -315,7 +319,9 @@ def test_explicit_settings_win_over_defaults_and_bad_ones_are_refused(monkeypatc
     assert ClusterSettings.resolve().master_port == 4000
     for kwargs, needle in [({"master_port": 0}, "master_port 0"), ({"master_port": 65535}, "65535"),
                            ({"nnodes": 0}, "at least 1"), ({"nproc_per_node": 0}, "at least 1"),
-                           ({"master_addr": ""}, "empty"), ({"liveness_s": 0}, "positive")]:
+                           ({"master_addr": ""}, "empty"), ({"liveness_s": 0}, "outside 0.5..600"),
+                           ({"liveness_s": 1000}, "outside"), ({"liveness_s": float("inf")}, "outside"),
+                           ({"liveness_s": float("nan")}, "outside")]:
         with pytest.raises(ValueError, match=needle):
             ClusterSettings.resolve(**kwargs)
     monkeypatch.setenv("ZBUS_MASTER_PORT", "0")
@@ -558,12 +564,13 @@ def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_envir
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")  # allows "workers"; import-path calls stay off
     # Sabotage for the environment: the old deny-list (RISKY_ENV = LD_, DYLD_, PYTHON, ZBUS_, PATH)
-    # let every name below but LD_PRELOAD through.
+    # let every name below but LD_PRELOAD through; "VLLM_" among SAFE_ENV_PREFIXES again lets
+    # VLLM_LOGGING_STREAM ("ext://mod.x": vLLM's logging config imports mod) and the two after it.
     risky = ["LD_PRELOAD", "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_DEBUG_FILE", "NCCL_TOPO_FILE",
              "OPENSSL_CONF", "GCONV_PATH", "http_proxy", "HTTPS_PROXY", "HF_ENDPOINT", "VLLM_PLUGINS",
              "CUDA_HOME", "MY_SETTING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_USAGE_STATS_SERVER",
              "VLLM_USE_MODELSCOPE", "NCCL_NET", "NCCL_SOCKET_IFNAME", "VLLM_HOST_IP", "VLLM_PORT",
-             "VLLM_API_KEY"]
+             "VLLM_API_KEY", "VLLM_LOGGING_STREAM", "VLLM_TRACE_FUNCTION", "VLLM_LORA_RESOLVER_HF_REPO_LIST"]
     safe = {"ZBUS_TEST_VALUE": "ok", "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "3"}
     try:
         with leader(port, nnodes=2, join_timeout=60, env={**{k: "evil" for k in risky}, **safe}) as ex:
@@ -608,6 +615,31 @@ def test_a_follower_workers_death_fails_the_executor_quickly(how, code):
         finally:
             ex.shutdown()
         assert proc.wait(30) == 0  # the leader still said bye to the live node
+    finally:
+        end_process(proc)
+
+
+@pytest.mark.parametrize("how, linger", [("exit", 60.0), ("exit_thread", 3600.0)], ids=["atexit", "thread"])
+def test_a_follower_worker_that_leaves_by_an_exception_is_reported_dead(how, linger):
+    """Rank 1 (node 1) leaves by ``SystemExit(7)`` from a method, with a slow
+    ``atexit`` hook (60 s) or a thread that is no daemon (an hour) still running: it
+    ends within ``FAILED_EXIT_S`` (5 s) whatever these do, so its agent reports the
+    death and the call fails with it. Before, the interpreter's exit waited for
+    them while the worker's rings and replies were already closed: nothing told the
+    leader, the call waited its whole timeout (a minute, or for good), and every
+    later call timed out too (a local worker's driver fails it after 2 s). Sabotage:
+    ``raise`` instead of ``_end`` in ``zbus.worker.main``'s ``except`` -> pending
+    after 15 s."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            pending = ex.collective_rpc("die", kwargs={"rank": 1, "how": how, "linger": linger},
+                                        non_block=True)  # (rank 0 sleeps until the shutdown ends it)
+            error = pending.exception(timeout=15)
+            assert isinstance(error, zbus.WorkerDiedError), repr(error)
+            assert (error.rank, error.exitcode) == (1, 7) and "node 1" in str(error)
+        assert proc.wait(30) == 0
     finally:
         end_process(proc)
 

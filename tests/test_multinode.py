@@ -23,10 +23,29 @@ pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f
 LIVENESS = 3.0  # the drivers here use 3 s; compose's default is 10 s
 
 
+NODE_CLEAN_S = 20.0  # how long a test's nodes get to end their processes and names
+
+
 @pytest.fixture
 def cluster():
+    """Three nodes; after the test, each must be left with no process in its
+    namespace and no ``zbus-*`` name in its /dev/shm (closing the cluster kills and
+    removes whatever is there, where the session's own check cannot look).
+    Sabotage: a follower that leaves its worker running at ``bye`` -> fails here."""
     with NetnsCluster(3) as c:
         yield c
+        left: dict = {}
+
+        def clean() -> bool:
+            left.clear()
+            for node in c.nodes:
+                if node.pids() or node.shm_segments():
+                    left[node.name] = (node.pids(), node.shm_segments())
+            return not left
+        deadline = time.monotonic() + NODE_CLEAN_S
+        while not clean() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"nodes left processes or shared memory: {left}"
 
 
 def start_followers(c: NetnsCluster, ranked: bool = True) -> list:

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from conftest import spawn_python, wait_until, zbus_segments
+from conftest import next_line, spawn_python, wait_until, zbus_segments
 from peer_procs import digest
 
 from zbus import ZbusError, codec
@@ -755,6 +755,74 @@ def test_ipv6_loopback_queue(ctx):
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_reply_too_big_to_keep_leaves_the_kept_copies_of_the_others(ctx, monkeypatch):
+    """A reply over ``KEEP_REPLY_BYTES`` is not kept: its copy pushed out every older
+    copy, then itself, so replies a reset connection lost were lost for good (and
+    the copy cost the reply's size again, under the lock). Here the connection drops
+    after replies 1, 2 and a big 3: 1 and 2 are sent again on the next one.
+    Sabotage: keep every reply, as before -> nothing sent again."""
+    from zbus import queues
+
+    monkeypatch.setattr(queues, "KEEP_REPLY_BYTES", 64 * 1024)
+    rx = ZmqReceiver(HOST, ctx=ctx)
+    port = rx.port
+    tx = ReplySender(f"tcp://{HOST}:{port}", ctx=ctx)
+    try:
+        for seq, value in ((1, b"a"), (2, b"b"), (3, b"c" * 100_000)):
+            tx.put([0, seq, 0, value])
+        assert [rx.get(timeout=10)[1] for _ in range(3)] == [1, 2, 3]
+        rx.close()  # the connection drops; the sender sends its kept copies again
+        wait_until(lambda: tx.sent_again >= 2, 10, "the kept replies sent again")
+        rx = ZmqReceiver(HOST, port, ctx=ctx)
+        assert [rx.get(timeout=10)[1] for _ in range(2)] == [1, 2]
+        assert tx.sent_again == 2
+    finally:
+        tx.close(linger_s=0)
+        rx.close()
+
+
+SENDS_THEN_EXITS = """
+import os, sys
+from zbus.queues import ReplySender
+
+tx = ReplySender(sys.argv[1])
+tx.put([0, 1, 0, "last words"])
+print("put", flush=True)
+tx.close()
+os._exit(0)
+"""
+
+
+def test_a_reply_queued_when_its_worker_exits_still_leaves():
+    """A remote worker whose start fails sends its traceback and exits at once
+    (``os._exit``): a reply ZeroMQ still held, its link to the leader not formed yet
+    (a keyed handshake waits on the leader's ZAP thread), was lost, since only a
+    context's end waits for what is queued, and the worker ended none. The leader
+    then reported a death without its traceback. Now the sender's own context ends
+    at close, waiting up to its linger (1 s). Here the leader's socket is bound only
+    0.3 s after the put. Sabotage: no ``term`` in ``ReplySender.close`` -> nothing
+    arrives."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    proc = spawn_python(SENDS_THEN_EXITS, f"tcp://{HOST}:{port}", stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    try:
+        assert next_line(proc, time.monotonic() + 30).strip() == "put"
+        time.sleep(0.3)
+        rx = ZmqReceiver(HOST, port, ctx=ctx)
+        try:
+            assert rx.get(timeout=5) == [0, 1, 0, "last words"]
+        finally:
+            rx.close()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ctx.term()
 
 
 def test_a_reply_waiting_for_room_gives_up_when_its_sender_closes(ctx):

@@ -10,6 +10,7 @@ import random
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ from conftest import (
 )
 from ring_procs import end_message, make_message
 
+import zbus
 from zbus import ring, shm
 from zbus.config import RingGeometry, WaitPolicy
 from zbus.errors import Cancelled, RingClosed, ShmSpaceError
@@ -206,6 +208,38 @@ def test_recv_timeout_cancel_and_abort():
         with pytest.raises(RingClosed):
             reader.recv()
         assert time.monotonic() - t0 < 2
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("core", ["compiled", "python"])
+@pytest.mark.parametrize("corrupt", ["frames", "size"])
+def test_a_corrupt_message_is_dropped_and_the_next_one_read(core, corrupt, monkeypatch):
+    """A message whose header a stray write changed (user native code in a worker,
+    another process of the node): its frame count no longer fits its size, or its
+    size is over ZBUS_MAX_MESSAGE. The reader drops it (CodecError, which callers
+    handle) and reads the next one. Before, a small one raised ValueError at every
+    recv for good, without moving on (callers caught only CodecError and
+    RingClosed), and a huge size was allocated. Sabotage: no ``try`` around
+    ``_read_message`` in ``RingReader.recv`` -> ValueError twice."""
+    if core == "python":
+        monkeypatch.setattr(ring, "_read_message", ring._read_message_py)
+    elif shm.core is None:
+        pytest.skip("the compiled core is not built here (or ZBUS_PURE_PYTHON)")
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        at = writer._chunk(0)
+        writer.send([b"first"])
+        if corrupt == "frames":
+            struct.pack_into("<Q", writer._buf, at + 8, 1000)  # frames: past the message's size
+        else:
+            struct.pack_into("<Q", writer._buf, at, 2**62)  # size: 4 EiB
+        writer.send([b"second"])
+        with pytest.raises(zbus.CodecError, match="corrupt message dropped"):
+            reader.recv(timeout=5)
+        assert [bytes(f) for f in reader.recv(timeout=5)] == [b"second"]
     finally:
         reader.close()
         writer.close()

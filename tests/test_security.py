@@ -59,6 +59,73 @@ def test_keygen_writes_one_folder_per_host_with_private_secrets(tmp_path):
         assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
     # a node folder holds no other host's secret
     assert not any(n.endswith("_secret") and n != "node.key_secret" for n in os.listdir(tmp_path / "node-1"))
+    # only this user enters the folders (the secrets are made readable to all, then chmod 600)
+    for folder in ("leader", "leader/authorized", "node-1", "node-2"):
+        assert stat.S_IMODE(os.stat(tmp_path / folder).st_mode) == 0o700, folder
+
+
+def test_keygen_makes_a_whole_new_set_or_nothing(tmp_path):
+    """keygen into a folder of an earlier set refuses: it added keys to the old
+    ``authorized/``, so a node key of the old set (node-3 of 3, after a new set of
+    1) was still let in. Sabotage: no check of the folder -> both node keys listed."""
+    keygen(str(tmp_path / "keys"), nodes=3)
+    with pytest.raises(zbus.ZbusError, match="not empty"):
+        keygen(str(tmp_path / "keys"), nodes=1)
+    assert len(os.listdir(tmp_path / "keys" / "leader" / "authorized")) == 3  # untouched
+
+
+def test_a_secret_given_empty_is_refused_not_taken_for_none(tmp_path, monkeypatch):
+    """An empty secret file (or ``secret=b""``) fell back to ``ZBUS_SECRET``, or to no
+    keys: the follower then waited out its join timeout unkeyed, with no word why.
+    White space around a secret is dropped from a file and the environment alike.
+    Sabotage: ``value or os.environ.get("ZBUS_SECRET")`` again -> None."""
+    from zbus.curve import secret_from_env
+
+    monkeypatch.delenv("ZBUS_SECRET", raising=False)
+    monkeypatch.delenv("ZBUS_SECRET_FILE", raising=False)
+    empty = tmp_path / "secret"
+    empty.write_text("\n")
+    for given in ({"path": str(empty)}, {"value": b""}, {"value": "  "}):
+        with pytest.raises(zbus.ZbusError, match="the cluster secret is 0 bytes"):
+            secret_from_env(**given)
+    monkeypatch.setenv("ZBUS_SECRET_FILE", str(empty))
+    with pytest.raises(zbus.ZbusError, match="0 bytes"):
+        secret_from_env()
+    monkeypatch.delenv("ZBUS_SECRET_FILE")
+    assert secret_from_env() is None
+    monkeypatch.setenv("ZBUS_SECRET", "s" * 16 + "\n")
+    assert secret_from_env() == b"s" * 16
+
+
+def test_refused_keys_are_logged_at_most_once_a_second(caplog):
+    """A peer that knows the leader's public key may open connections with new
+    keys as fast as it likes: each refusal was a WARNING line, written by the ZAP
+    thread while the handshakes behind it waited. Now one a second, and a count of
+    the rest. Sabotage: no ``_said_at`` check in ``_ZapLog.debug`` -> 40 lines."""
+    from zbus.curve import LeaderCurve
+
+    ctx = zmq.Context()
+    curve = LeaderCurve.from_secret(ctx, b"k" * 32, 2)
+    pull = ctx.socket(zmq.PULL)
+    clients = []
+    try:
+        curve.server(pull)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        with caplog.at_level(logging.WARNING, logger="zbus.curve.zap"):
+            for _ in range(40):
+                push = ctx.socket(zmq.PUSH)
+                push.curve_publickey, push.curve_secretkey = zmq.curve_keypair()
+                push.curve_serverkey = curve.public
+                push.connect(f"tcp://127.0.0.1:{port}")
+                clients.append(push)
+            wait_until(lambda: curve.zap_log.refused >= 40, 20, "40 keys refused")
+        said = [r for r in caplog.records if r.name == "zbus.curve.zap"]
+        assert 1 <= len(said) <= 3, [r.getMessage() for r in said]
+    finally:
+        for sock in (*clients, pull):
+            sock.close(linger=0)
+        curve.close()
+        ctx.term()
 
 
 def test_keyed_cluster_works_and_nodes_without_listed_keys_are_refused(tmp_path, caplog):
@@ -457,7 +524,8 @@ def test_a_join_whose_rank_no_comparison_can_judge_does_not_stop_formation():
 def good_welcome(**changes):
     welcome = {"node_rank": 1, "nnodes": 2, "nproc_per_node": 2, "master_addr": "10.0.0.1",
                "liveness_s": 10.0, "reply_address": "tcp://10.0.0.1:29651", "torch_port": 29700,
-               "spec": {"worker": "zbus.demo:DemoWorker", "kwargs": {}}, "env": {"OMP_NUM_THREADS": "1"}}
+               "spec": {"worker": "zbus.demo:DemoWorker", "kwargs": {}}, "env": {"OMP_NUM_THREADS": "1"},
+               "session": "s1"}
     welcome.update(changes)
     return welcome
 
@@ -466,7 +534,7 @@ def good_welcome(**changes):
     ({"nproc_per_node": 10000}, "nproc_per_node"), ({"nproc_per_node": 2.0}, "nproc_per_node"),
     ({"liveness_s": 1e12}, "liveness_s"), ({"liveness_s": 0.01}, "liveness_s"),
     ({"liveness_s": float("nan")}, "liveness_s"), ({"node_rank": 3}, "node_rank"),
-    ({"nnodes": 10**9}, "nnodes"), ({"torch_port": 0}, "torch_port"),
+    ({"nnodes": 10**9}, "nnodes"), ({"torch_port": 0}, "torch_port"), ({"session": None}, "session"),
     ({"master_addr": "x" * 5000}, "master_addr"), ({"reply_address": "ipc:///tmp/x"}, "reply_address"),
     ({"spec": {"worker": None}}, "spec"), ({"env": {"A": "x" * 100000}}, "env"),
     ({"env": {str(i): "" for i in range(2000)}}, "env"),
@@ -488,19 +556,21 @@ def test_a_follower_checks_every_welcome_field(changes, why):
 
 
 def test_a_follower_refuses_a_welcome_that_turns_off_leader_loss_detection():
-    """A leader (or one posing as it) welcomes with liveness_s=1000: the follower
-    refuses, says why, and the leader's start-up fails naming it.
-    Sabotage: skip the check_welcome call in NodeAgent._start_workers."""
-    port = free_port_pair()
-    proc = follower(port, "--node-rank", "1")
+    """One posing as a leader (a real leader refuses a liveness limit outside
+    0.5..600 s itself) welcomes with liveness_s=1000: the follower refuses, tells
+    the leader why and exits 1. Sabotage: skip the check_welcome call in
+    NodeAgent._start_workers."""
+    leading = PosingLeader()
     try:
-        with pytest.raises(zbus.StartupError, match="refused .*liveness_s 1000"):
-            zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
-                          master_port=port, liveness_s=1000.0, join_timeout=60)
-        assert proc.wait(30) == 1
-        assert "liveness_s 1000" in proc.stderr.read()
+        leading.welcome(liveness_s=1000.0)
+        said = []
+        wait_until(lambda: said.append(leading.receive(100)) or (said[-1] or [None])[0] == "refused", 30,
+                   "the follower's refusal")
+        assert "liveness_s 1000" in said[-1][2]
+        assert leading.proc.wait(30) == 1
+        assert "liveness_s 1000" in leading.proc.stderr.read()
     finally:
-        end_process(proc)
+        leading.close()
 
 
 SECRET = "zbus-test-secret-0123456789abcdef"  # a test-only value
@@ -854,7 +924,7 @@ def test_a_serving_follower_ignores_messages_of_the_wrong_shape():
             leading.xpub.send_multipart(bad)
 
         def heartbeat() -> bool:  # the follower's, read after the bad messages; ours keep it alive
-            leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0])])
+            leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0, "s1"])])
             while (msg := leading.receive(200)) is not None:
                 if msg[:2] == ["hb", 1]:
                     return True
@@ -864,6 +934,31 @@ def test_a_serving_follower_ignores_messages_of_the_wrong_shape():
         assert leading.proc.poll() is None, leading.proc.stderr.read()[-2000:]
         err = leading.bye()
         assert "Traceback" not in err and err.count("dropped a") == 7, err[-3000:]
+    finally:
+        leading.close()
+
+
+def test_a_follower_takes_a_new_leader_at_its_leaders_address_for_a_stranger():
+    """The leader a follower joined dies (SIGKILL, OOM) and another starts on the same
+    address within the liveness limit: ZeroMQ reconnects the follower to it, and its
+    heartbeats kept the follower's leader "alive". The follower then never left (its
+    workers held their GPUs), the new leader's start-up failed for want of a node
+    that heard its every word, and its ``bye`` ended the follower with exit 0. A
+    leader's heartbeats now name its session, which its welcome gave: another one
+    is a stranger, and the follower exits 1 at once. Sabotage: no
+    ``_check_leader`` in ``NodeAgent._serve`` -> still running after 10 s."""
+    leading = PosingLeader()
+    try:
+        leading.welcome()
+        wait_until(lambda: (leading.receive(100) or [])[:2] == [1, protocol.READY], 30,
+                   "the follower's worker up")
+        leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0, "s1"])])
+        start = time.monotonic()
+        while time.monotonic() - start < 10 and leading.proc.poll() is None:
+            leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0, "s2"])])  # another leader
+            time.sleep(0.2)
+        assert leading.proc.poll() == 1, "the follower took the other leader's heartbeats for its own"
+        assert "another leader at 127.0.0.1" in leading.proc.stderr.read()
     finally:
         leading.close()
 
@@ -918,7 +1013,7 @@ def test_a_follower_writing_lost_calls_to_slow_workers_waits_for_them(lost):
         replies, asked, leaving, next_hb, deadline = set(), [], [], 0.0, time.monotonic() + 30
         while len(replies) < last and not leaving and time.monotonic() < deadline:
             if time.monotonic() >= next_hb:  # ours, so that the follower keeps its leader
-                leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0])])
+                leading.xpub.send_multipart([b"H", *codec.encode(["hb", 0, "s1"])])
                 next_hb = time.monotonic() + 0.2
             if (msg := leading.receive(50)) is None:
                 continue

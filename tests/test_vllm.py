@@ -203,6 +203,68 @@ def test_the_engine_configuration_round_trips(wire, tmp_path):
     assert got.model_config.hf_config.to_dict() == config.model_config.hf_config.to_dict()
     assert got.model_config.dtype == config.model_config.dtype
     assert got.parallel_config.tensor_parallel_size == 2
+    assert got.model_config.hf_text_config is got.model_config.hf_config  # as on the sender
+
+
+FRESH_DECODE = """
+import json, sys
+import msgpack
+from zbus import codec
+from zbus.vllm.wire import load_wire_modules
+
+load_wire_modules()
+import vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata  # (as a worker's KV connector does)
+
+with open(sys.argv[1], "rb") as f:
+    options, item, nixl, fp8, model = codec.decode(msgpack.unpackb(f.read()))
+print(json.dumps({
+    "types": [type(x).__name__ for x in (options, item, nixl, fp8, model)],
+    "options": options["image"].count, "item": item["dummy"].data.numel(),
+    "nixl": nixl.reqs_to_send, "fp8": fp8.activation_scheme,
+    "text_config_is_hf_config": model.hf_text_config is model.hf_config,
+}))
+"""
+
+
+def test_what_a_real_engine_sends_decodes_in_a_fresh_worker_process(wire, tmp_path):
+    """Types that multimodal, quantized and KV-transfer engines send, decoded in a
+    process that loaded only what a worker has before its first call (round trips in
+    one process hide a module not loaded there): a ``dict`` subclass (a multimodal
+    config's dummy options: its items were lost), a ``UserDict`` (a multimodal
+    item of every image request), a KV connector's metadata and a quantization
+    config (plain classes, data by their vLLM base; the quantization module not yet
+    loaded, found through vLLM's table). Each was refused, so such an engine could
+    not start or died at its first request. And a model configuration whose
+    ``hf_text_config`` is its ``hf_config``: two objects after the wire, where vLLM
+    tells them apart by identity (a Transformers model taken for a multimodal one).
+    Sabotage: no ``_data_by_base`` in ``_wire_class`` -> "not a data type of
+    vLLM"; no ``_AFTER_BUILD`` hook -> the identity lost."""
+    import msgpack
+    from vllm import EngineArgs
+    from vllm.config.multimodal import ImageDummyOptions, MultiModalDummyOptions
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+
+    from zbus import codec
+    from zbus.vllm.bench import tiny_model
+
+    nixl = NixlConnectorMetadata()
+    nixl.reqs_to_send["r1"] = 1.5
+    model = EngineArgs(model=tiny_model(str(tmp_path)), load_format="dummy", skip_tokenizer_init=True,
+                       enforce_eager=True, max_model_len=256).create_engine_config().model_config
+    assert model.hf_text_config is model.hf_config
+    sent = [MultiModalDummyOptions(image=ImageDummyOptions(count=2)), MultiModalKwargsItem.dummy(4), nixl,
+            Fp8Config(), model]
+    path = tmp_path / "frames"
+    path.write_bytes(msgpack.packb([bytes(f) for f in codec.encode(sent)]))
+    out = subprocess.run([sys.executable, "-c", FRESH_DECODE, str(path)], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {
+        "types": ["MultiModalDummyOptions", "MultiModalKwargsItem", "NixlConnectorMetadata", "Fp8Config",
+                  "ModelConfig"],
+        "options": 2, "item": 4, "nixl": {"r1": 1.5}, "fp8": "dynamic", "text_config_is_hf_config": True}
 
 
 def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
@@ -326,6 +388,11 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
              "EC connector's module"),
             (dict(ec_transfer_config=NS(ec_connector_module_path="evil")), "EC connector"),
             (dict(speculative_config=NS(method="custom_class", model="evil.Proposer")), "proposer"),
+            # a draft model's own flag: its repository's code runs at load_model (sabotage: check
+            # model_config's flag only)
+            (dict(speculative_config=NS(method="draft_model", model="/d",
+                                        draft_model_config=NS(trust_remote_code=True, model="/d"))),
+             "remote code of '/d'"),
             (dict(compilation_config=NS(backend="evil.backend")), "compilation backend")):
         with pytest.raises(ZbusError, match=match):
             check_remote_config(with_parts(**parts), set())

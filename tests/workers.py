@@ -162,6 +162,9 @@ class EchoWorker(zbus.Worker):
             if how == "exit":  # the worker closes its queues, then exits `linger` s later
                 atexit.register(time.sleep, linger)
                 raise SystemExit(7)
+            if how == "exit_thread":  # ... with a thread (not a daemon) that runs for `linger` s
+                threading.Thread(target=time.sleep, args=(linger,)).start()
+                raise SystemExit(7)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
 

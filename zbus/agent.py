@@ -26,6 +26,7 @@ import zmq
 
 from . import codec, protocol, ring, shm
 from .cluster import (
+    LIVENESS_RANGE_S,
     PROBE_TOPICS,
     TOPIC_HEARTBEAT,
     TOPIC_RPC,
@@ -57,9 +58,11 @@ RELAYED = object()  # _next's answer for a call the compiled core put in the rin
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
 # env= from an unauthenticated leader: only tuning knobs pass (an allow-list), and
 # none whose name suggests a path, plugin, file, proxy or download source, a
-# network address, a key, or the lifting of a safeguard (VLLM_ALLOW_INSECURE_
-# SERIALIZATION turns pickle on in vLLM's workers).
-SAFE_ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "VLLM_", "ZBUS_TEST_")
+# network address, a key, or the lifting of a safeguard. No VLLM_ variable: too
+# many of vLLM's hundreds name what its workers load or fetch (VLLM_LOGGING_STREAM
+# "ext://mod.x" imports mod, VLLM_ALLOW_INSECURE_SERIALIZATION turns pickle on, a
+# LoRA resolver's repository list downloads); a node sets its own.
+SAFE_ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "ZBUS_TEST_")
 SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM", "ZBUS_GPUS", "ZBUS_THREADS")
 UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CONF", "CACHE", "ENDPOINT",
                     "URL", "PROXY", "MODULE", "PRELOAD", "CMD", "EXEC", "SCRIPT", "INSECURE", "SERIAL",
@@ -74,7 +77,6 @@ def safe_env_name(name: str) -> bool:
     return name.startswith(SAFE_ENV_PREFIXES) and not any(word in name for word in UNSAFE_ENV_WORDS)
 
 
-LIVENESS_RANGE_S = (0.5, 600.0)  # a welcome's liveness limit must lie in here
 MAX_NNODES = 4096
 MAX_TEXT = 1024  # longest address or worker path a welcome may carry
 MAX_ENV = 1024  # most env= variables, each name and value at most MAX_TEXT and 64 KiB
@@ -108,6 +110,8 @@ def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None
         return f"torch_port {brief(w.get('torch_port'))} outside 1..65535"
     if not is_text(w.get("master_addr")):
         return "master_addr is not a short string"
+    if not is_text(w.get("session")):
+        return "session is not a short string"
     if not is_text(w.get("reply_address")) or not w["reply_address"].startswith("tcp://"):
         return f"reply_address {brief(w.get('reply_address'))} is not a tcp:// address"
     if "max_reply" in w and not is_int("max_reply", 1, codec.MAX_MESSAGE):
@@ -180,6 +184,7 @@ class NodeAgent:
         self._next_hb = 0.0
         self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self._poll_s = 0.0  # the executor's poll_after_call_s (from the welcome)
+        self._leader_session: str | None = None  # the welcoming leader's (its heartbeats name it)
         self._poll_until = 0.0
         core = ring._core  # the compiled relay, if the core is built and finds libzmq
         self._relay_one = core.relay_one if core is not None and core.relay_ready() else None
@@ -307,6 +312,7 @@ class NodeAgent:
         n = welcome["nproc_per_node"]
         self.node_rank = welcome["node_rank"]
         self.liveness_s = welcome["liveness_s"]
+        self._leader_session = welcome["session"]
         self._poll_s = float(welcome["spec"].get("poll_s") or 0.0)
         from .logs import setup_logging
 
@@ -388,10 +394,18 @@ class NodeAgent:
                     elif topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id):
                         # (heartbeats come on the node topic while another node stalls broadcasts)
                         msg = self._decode(frames[1:])
-                        if type(msg) is list and len(msg) == 2 and msg[0] == "hb":
+                        if type(msg) is list and len(msg) == 3 and msg[0] == "hb":
+                            self._check_leader(msg[2])
                             self._check_sent(msg[1])
                         elif self._ends(msg):
                             return 0
+
+    def _check_leader(self, session: Any) -> None:
+        """A heartbeat of another leader at this leader's address (one started there
+        since: the leader this node joined is gone, its calls with it)."""
+        if session != self._leader_session:
+            raise LeaderLost(f"another leader at {self.settings.master_addr} (restarted?): the "
+                             "one this node joined is gone")
 
     def _ends(self, msg: Any) -> bool:
         """Act on the leader's word for this node; whether the node ends now."""

@@ -786,11 +786,12 @@ def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = 
         if plot_path:
             plot_svg(rows, plot_path)
         return 0
+    unknown = [name for name in scenarios if name not in SCENARIOS]
+    if unknown:  # (before any runs: a typo must not cost the scenarios before it)
+        print(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
+        return 2
     rows: list[Row] = []
     for name in scenarios:
-        if name not in SCENARIOS:
-            print(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
-            return 2
         print(f"running {name} ...", file=sys.stderr, flush=True)
         rows += SCENARIOS[name](seconds)
     print(f"zbus core: {ring.CORE}", file=out)

@@ -66,6 +66,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    """A flag's count: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
+    return value
+
+
 def format_status(st: dict) -> str:
     us = lambda v: "-" if v is None else f"{v * 1e6:.0f} us"  # noqa: E731
     lat = st["latency_s"]
@@ -114,13 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--nnodes N: lead a cluster whose N-1 followers run 'zbus follower' elsewhere."))
     demo.add_argument("--nnodes", type=int, default=None,
                       help="lead a cluster of N nodes whose followers run elsewhere")
-    demo.add_argument("--nproc-per-node", type=int, default=None,
+    demo.add_argument("--nproc-per-node", type=_count, default=None,
                       help="workers per node (ZBUS_NPROC_PER_NODE, default 2)")
     demo.add_argument("--master-addr", default=None,
                       help="this leader's address, which followers dial (ZBUS_MASTER_ADDR)")
     demo.add_argument("--master-port", type=int, default=None,
                       help="first of the leader's two ports (ZBUS_MASTER_PORT, default 29650)")
-    demo.add_argument("--steps", type=int, default=200, help="decode-like steps (default 200)")
+    demo.add_argument("--steps", type=_count, default=200, help="decode-like steps (default 200)")
     demo.add_argument("--metrics-port", type=int, default=None,
                       help="serve Prometheus metrics on this port (ZBUS_METRICS_PORT; needs "
                       "prometheus-client)")
@@ -171,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "folder: the leader's Executor(curve_dir=...) or ZBUS_CURVE_DIR, each follower's "
         "--curve-dir."))
     keys.add_argument("dir", help="where to write the key folders")
-    keys.add_argument("--nodes", type=int, default=1, help="how many follower nodes (default 1)")
+    keys.add_argument("--nodes", type=_count, default=1, help="how many follower nodes (default 1)")
     keys.set_defaults(func=_keygen)
 
     status = sub.add_parser("status", help="ask a running leader for its nodes, ranks and RPC figures",

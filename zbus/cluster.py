@@ -7,7 +7,7 @@ control, leader -> nodes) and ``master_port + 1`` (PULL: joins, heartbeats and
 every remote rank's replies, nodes -> leader). Followers open every connection.
 
 Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
-ring), ``H`` leader heartbeats ``["hb", last call number sent]`` (``failed``
+ring), ``H`` leader heartbeats ``["hb", last call number sent, session]`` (``failed``
 instead once the executor failed), ``stopping`` and the final ``bye``,
 ``N<node id>`` control for one node (welcome, reject, or dropped: welcomed, then
 silent too long), ``N<node id>R`` calls sent again to a node that lost them,
@@ -36,6 +36,7 @@ from typing import Any
 import zmq
 
 from . import codec
+from .config import size_setting
 from .errors import (
     ZbusError,
 )
@@ -50,6 +51,7 @@ PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
 MAX_REPLY_DEFAULT = 256 * 2**20
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 DEFAULT_MASTER_PORT = 29650
+LIVENESS_RANGE_S = (0.5, 600.0)  # a leader's liveness limit, which a welcome tells its nodes
 
 
 def max_reply() -> int:
@@ -59,11 +61,7 @@ def max_reply() -> int:
     up to more is dropped (a reply's caller gets a CodecError). The welcome tells
     the nodes, whose workers answer a call with that error rather than send a
     bigger reply. Bigger values belong in shared storage, not on the leader's socket."""
-    value = os.environ.get("ZBUS_MAX_REPLY")
-    limit = int(value) if value else MAX_REPLY_DEFAULT  # (empty: unset)
-    if limit <= 0:
-        raise ValueError(f"ZBUS_MAX_REPLY must be positive, got {value!r}")
-    return min(limit, codec.MAX_MESSAGE)
+    return min(size_setting("ZBUS_MAX_REPLY", MAX_REPLY_DEFAULT), codec.MAX_MESSAGE)
 
 
 class _Brief(reprlib.Repr):
@@ -175,8 +173,9 @@ class ClusterSettings:
         if not 1 <= self.master_port <= 65534:  # the leader binds master_port and master_port + 1
             raise ValueError(f"master_port {self.master_port} outside 1..65534: followers find the "
                              "leader by this port, so it cannot be 0 (chosen at random)")
-        if not self.liveness_s > 0:
-            raise ValueError(f"liveness_s {self.liveness_s} must be positive")
+        lo, hi = LIVENESS_RANGE_S
+        if not lo <= self.liveness_s <= hi:  # (what every follower takes: else none would join)
+            raise ValueError(f"liveness_s {self.liveness_s} outside {lo}..{hi} s")
 
     @property
     def heartbeat_s(self) -> float:

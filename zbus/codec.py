@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 import re
+import reprlib
 import sys
 import threading
 import traceback
@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
+from .config import size_setting
 from .errors import CodecError
 from .shm import core as _core
 
@@ -35,7 +36,7 @@ from .shm import core as _core
 _TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT = 1, 2, 3, 4, 5, 6, 7
 _BYTES_KINDS = {0: bytes, 1: bytearray, 2: memoryview}
 OOB_THRESHOLD = 16 * 1024  # byte strings at least this long travel as their own frame
-MAX_MESSAGE = int(os.environ.get("ZBUS_MAX_MESSAGE") or 4 * 2**30)  # (empty: unset)
+MAX_MESSAGE = size_setting("ZBUS_MAX_MESSAGE", 4 * 2**30)
 _MAX_FRAMES = 1 << 20
 # Nesting of maps, arrays and extension types in one message (a tuple is two levels:
 # the extension and its list). Each extension level is also a nested msgpack unpack
@@ -324,7 +325,7 @@ class _Decoder:
         self.used: set[int] = set()
         self.budget = budget
         self.hashes: dict[int, Any] = {}  # the first tuple or object of each hash
-        self.collisions = 0
+        self.collisions: dict[int, int] = {}  # of each hash: values unlike its first
 
     def spend(self, nbytes: int) -> None:
         """Count bytes that decoding materialises (copies of frames and bodies)."""
@@ -381,18 +382,21 @@ class _Decoder:
 
     def _count_hash(self, value: Any) -> Any:
         """``value``, counted if it differs from the first value of its hash: past
-        MAX_HASH_COLLISIONS the message is refused, before msgpack makes dict keys
-        of them, each compared with all before it (n**2 / 2 comparisons)."""
+        MAX_HASH_COLLISIONS of one hash the message is refused, before msgpack makes
+        dict keys of them, each compared with all of its hash before it (n**2 / 2
+        comparisons). Per hash: pairs that collide (``hash(-1) == hash(-2)``) are
+        common in plain data, and cost nothing much."""
         hash_of = type(value).__hash__
         if hash_of is None or hash_of is _IDENTITY_HASH:  # unhashable, or no two alike
             return value
         try:
-            first = self.hashes.setdefault(hash(value), value)
+            h = hash(value)
         except Exception:  # noqa: BLE001 - a list, a writable memoryview inside: no key either
             return value
+        first = self.hashes.setdefault(h, value)
         if first is not value and first != value:
-            self.collisions += 1
-            if self.collisions > MAX_HASH_COLLISIONS:
+            self.collisions[h] = count = self.collisions.get(h, 0) + 1
+            if count > MAX_HASH_COLLISIONS:
                 raise CodecError(f"more than {MAX_HASH_COLLISIONS} tuples or objects that differ from "
                                  "another of their hash (as map keys, each is compared with all before it)")
         return value
@@ -469,10 +473,7 @@ class _Decoder:
         if cls is None:
             raise CodecError(f"unregistered type {body[0][:200]!r} (register it with zbus.codec.register "
                              "on both ends)")
-        try:
-            return cls(**body[1])
-        except TypeError as e:
-            raise CodecError(f"cannot build {body[0][:200]}: {str(e)[:200]}") from e
+        return _build_dataclass(cls, body[0][:200], body[1])
 
     def _object(self, body: Any) -> Any:
         if not (type(body) is list and len(body) == 2 and type(body[0]) is str):
@@ -506,13 +507,36 @@ def decode(frames: Sequence[Any], max_bytes: int | None = None) -> Any:
     size = sum(v.nbytes for v in views)
     if size > limit:
         raise CodecError(f"message of {size} bytes exceeds the limit of {limit} bytes")
-    try:
-        _check_header(views[0])
-        return _Decoder(views, BUDGET_FACTOR * size + 2**20).unpack(views[0])
+    try:  # (msgpack reads the checked copy: a shared page may change after the check)
+        return _Decoder(views, BUDGET_FACTOR * size + 2**20).unpack(_check_header(views[0]))
     except CodecError:
         raise
     except Exception as e:  # msgpack raises several types on bad input; none may escape
         raise CodecError(f"cannot decode message: {type(e).__name__}: {e}") from e
+
+
+def _build_dataclass(cls: type, name: str, values: dict) -> Any:
+    """``cls`` made as pickle makes a dataclass: its fields set (a missing one to its
+    default), neither ``__init__`` nor ``__post_init__`` run. They ran on the sender,
+    and may change what they are given (a field scaled twice) or take other
+    arguments (``init=False`` fields, ``InitVar``s)."""
+    obj = object.__new__(cls)
+    fields = dataclasses.fields(cls)
+    for f in fields:
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            raise CodecError(f"cannot build {name}: no field {f.name!r}")
+        object.__setattr__(obj, f.name, value)  # (frozen ones too)
+    unknown = values.keys() - {f.name for f in fields}
+    if unknown:
+        named = ", ".join(sorted(map(reprlib.repr, unknown))[:5])  # (bounded: a key may be long)
+        raise CodecError(f"cannot build {name}: unknown fields {named}")
+    return obj
 
 
 # How msgpack lays out each type byte (github.com/msgpack/msgpack/blob/master/spec.md).
@@ -549,13 +573,14 @@ _INT_OBJECT = 40  # bytes of such an int, and its slot
 _WORST_ITEM = 160 + 16  # bytes of objects one header byte may become: an empty map in an array
 
 
-def _check_header(view: memoryview) -> None:
-    """Refuse a header nested deeper than MAX_DEPTH, counting every map, array and
-    extension type, or one whose objects would take more than OBJECTS_MIN +
-    OBJECTS_FACTOR times its size, before msgpack builds anything: msgpack alone
-    nests 1024 deep, beyond what ``str`` or ``==`` of the value survive, and makes a
-    64-byte dict of one byte. Only a header with more bytes that may open a level
-    than MAX_DEPTH, or too big for the worst case to fit, is walked."""
+def _check_header(view: memoryview) -> bytes:
+    """A copy of the header, refused if nested deeper than MAX_DEPTH, counting every
+    map, array and extension type, or if its objects would take more than
+    OBJECTS_MIN + OBJECTS_FACTOR times its size, before msgpack builds anything:
+    msgpack alone nests 1024 deep, beyond what ``str`` or ``==`` of the value
+    survive, and makes a 64-byte dict of one byte. Only a header with more bytes
+    that may open a level than MAX_DEPTH, or too big for the worst case to fit, is
+    walked."""
     data = bytes(view)
     limit = OBJECTS_MIN + OBJECTS_FACTOR * len(data)
     if len(data) - len(data.translate(None, _LEVELS)) > MAX_DEPTH or len(data) * _WORST_ITEM > limit or (
@@ -566,6 +591,7 @@ def _check_header(view: memoryview) -> None:
             raise CodecError("truncated header") from None
         except _OverBudget:
             raise _too_many_objects(data) from None
+    return data
 
 
 class _OverBudget(Exception):
@@ -730,13 +756,13 @@ _name_cache: dict[Any, str] = {}
 
 
 def _torch_dtypes(torch: Any) -> dict[str, Any]:
-    if not _dtype_cache:  # the names this torch has
-        _dtype_cache.update((n, getattr(torch, n)) for n in TENSOR_DTYPES if hasattr(torch, n))
+    if not _dtype_cache:  # the names this torch has, made whole before any thread sees them
+        _dtype_cache.update({n: getattr(torch, n) for n in TENSOR_DTYPES if hasattr(torch, n)})
     return _dtype_cache
 
 
 def _dtype_names(torch: Any) -> dict[Any, str]:
     """The wire name of each dtype in ``TENSOR_DTYPES`` (one lookup: no ``str(dtype)``)."""
     if not _name_cache:
-        _name_cache.update((d, n) for n, d in _torch_dtypes(torch).items())
+        _name_cache.update({d: n for n, d in _torch_dtypes(torch).items()})
     return _name_cache

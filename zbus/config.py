@@ -17,6 +17,8 @@
                do not depend on it; it bounds how late a cancel event or a third
                party's abort is seen. Above 0; the others at least 0 (else
                ValueError).
+``ZBUS_MAX_MESSAGE``, ``ZBUS_MAX_REPLY``  message size limits (``size_setting``):
+               bytes with an optional K/M/G suffix, at least 64K (else ValueError).
 """
 
 from __future__ import annotations
@@ -49,6 +51,22 @@ def parse_size(text: str) -> int:
     text = text.strip().upper().removesuffix("IB").removesuffix("B")
     unit = text[-1] if text and text[-1] in "KMG" else ""
     return int(text[: len(text) - len(unit)]) * _SUFFIX[unit]
+
+
+MIN_SIZE_LIMIT = 64 * 2**10  # the smallest message limit: joins and welcomes fit well within
+
+
+def size_setting(name: str, default: int) -> int:
+    """The message size limit ``name``, in bytes with an optional K/M/G suffix, at
+    least ``MIN_SIZE_LIMIT``; an empty variable counts as unset."""
+    text = os.environ.get(name) or None
+    try:
+        value = default if text is None else parse_size(text)
+    except (ValueError, KeyError):
+        value = -1
+    if value < MIN_SIZE_LIMIT:
+        raise ValueError(f"{name}={text!r}: expected a size of at least 64K, e.g. '256M' or '4G'")
+    return value
 
 
 @dataclass(frozen=True)

@@ -59,16 +59,19 @@ def curve_dir_from_env(value: str | None = None) -> str | None:
 
 
 def secret_from_env(value: str | bytes | None = None, path: str | None = None) -> bytes | None:
-    """The cluster secret: ``value``, else the file at ``path``, else ``ZBUS_SECRET``,
-    else the file named by ``ZBUS_SECRET_FILE``; None if none is set."""
-    path = path or (None if value else os.environ.get("ZBUS_SECRET_FILE"))
+    """The cluster secret: ``value``, else the file at ``path`` or named by
+    ``ZBUS_SECRET_FILE``, else ``ZBUS_SECRET``, each without the white space around
+    it; None if none is set. One given but empty is refused, not taken for none: a
+    node would run without keys."""
+    path = path or (None if value is not None else os.environ.get("ZBUS_SECRET_FILE") or None)
     if value is None and path:
         with open(path, "rb") as f:
-            value = f.read().strip()
-    value = value or os.environ.get("ZBUS_SECRET") or None
+            value = f.read()
+    if value is None:
+        value = os.environ.get("ZBUS_SECRET") or None  # (empty: unset)
     if value is None:
         return None
-    secret = value.encode() if isinstance(value, str) else bytes(value)
+    secret = (value.encode() if isinstance(value, str) else bytes(value)).strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise ZbusError(f"the cluster secret is {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES} "
                         "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
@@ -89,15 +92,20 @@ def keygen(directory: str, nodes: int) -> list[str]:
 
     if not zmq.has("curve"):
         raise ZbusError("this libzmq has no CurveZMQ support (needs libsodium)")
-    os.makedirs(directory, exist_ok=True)
+    if os.path.isdir(directory) and os.listdir(directory):  # an old node key would stay authorized
+        raise ZbusError(f"{directory} is not empty: keygen makes a whole new set of keys in a new "
+                        "folder (or remove this one)")
+    # (folders only this user enters: the secret files are made readable to all, then chmod)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     leader = os.path.join(directory, "leader")
     authorized = os.path.join(leader, "authorized")
-    os.makedirs(authorized, exist_ok=True)
+    os.makedirs(authorized, mode=0o700)
+    os.chmod(leader, 0o700)
     leader_public, _ = zmq.auth.create_certificates(leader, "leader")
     made = [leader]
     for i in range(1, nodes + 1):
         node = os.path.join(directory, f"node-{i}")
-        os.makedirs(node, exist_ok=True)
+        os.makedirs(node, mode=0o700)
         public, _ = zmq.auth.create_certificates(node, "node")
         shutil.copy(public, os.path.join(authorized, f"node-{i}.key"))
         shutil.copy(leader_public, os.path.join(node, "leader.key"))
@@ -121,11 +129,26 @@ def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
 
 
 class _ZapLog(logging.LoggerAdapter):
-    """pyzmq logs each ZAP decision at DEBUG; a refused key deserves a warning."""
+    """pyzmq logs each ZAP decision at DEBUG; a refused key deserves a warning, at
+    most one a second (a peer may open connections with new keys as fast as it
+    likes: the ZAP thread writes each line while the handshakes behind it wait)."""
+
+    refused = 0  # keys refused in all
+    _said_at = -1.0
+    _unsaid = 0
 
     def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        denied = str(msg).startswith("DENIED") or (args and args[0] == "DENIED")
-        (self.warning if denied else super().debug)(msg, *args, **kwargs)
+        if not (str(msg).startswith("DENIED") or (args and args[0] == "DENIED")):
+            return super().debug(msg, *args, **kwargs)
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._said_at < 1.0:
+            self._unsaid += 1
+            return
+        if self._unsaid:
+            self.warning("ZAP refused %d more keys in the last %.0f s", self._unsaid, now - self._said_at)
+        self._said_at, self._unsaid = now, 0
+        self.warning(msg, *args, **kwargs)
 
 
 class LeaderCurve:
@@ -136,7 +159,8 @@ class LeaderCurve:
         self.public, self.secret, self.ranks = public, secret, ranks
         from zmq.auth.thread import ThreadAuthenticator
 
-        self.auth = ThreadAuthenticator(ctx, log=_ZapLog(logging.getLogger("zbus.curve.zap"), {}))
+        self.zap_log = _ZapLog(logging.getLogger("zbus.curve.zap"), {})
+        self.auth = ThreadAuthenticator(ctx, log=self.zap_log)
         self.auth.certs["*"] = {key.encode(): True for key in ranks}  # as configure_curve loads them
         self.auth.start()
         self._monitors: list[zmq.Socket] = []

@@ -128,7 +128,10 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
     from .executor import Executor
 
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
-    nproc_per_node = nproc_per_node or int(os.environ.get("ZBUS_NPROC_PER_NODE") or 2)
+    if nproc_per_node is None:  # (an explicit 0 is refused, not replaced)
+        nproc_per_node = int(os.environ.get("ZBUS_NPROC_PER_NODE") or 2)
+    if steps < 1 or nproc_per_node < 1:
+        raise ValueError(f"steps ({steps}) and nproc_per_node ({nproc_per_node}) must be at least 1")
     local = nnodes is None
     followers: list[Any] = []
     keys = curve_dir = None
@@ -161,12 +164,12 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
         for f in followers:
             f.wait(30)
         return 0 if ok else 1
-    finally:
-        end_followers(followers)
+    finally:  # the keys first: a second Ctrl-C may cut the wait for the followers short
         if keys:
             import shutil
 
             shutil.rmtree(keys, ignore_errors=True)
+        end_followers(followers)
 
 
 def _drive(ex: Any, steps: int, say: Any, progress: _Progress, torch: Any) -> bool:

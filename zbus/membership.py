@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -102,6 +103,9 @@ class Membership:
         self._probing: dict[str, NodeInfo] = {}
         self._dropped_ids: dict[str, None] = {}  # dropped while probed (the latest, in order)
         self._welcome_spec: dict = {}
+        # this leader's own: heartbeats name it, so a node that joined a leader which
+        # died takes a new one at the same address for what it is (a stranger)
+        self.session = secrets.token_hex(8)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._status = status
@@ -230,7 +234,7 @@ class Membership:
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
             "reply_address": self._reply_address, "max_reply": self.path.max_reply,
-            **self._welcome_spec}])
+            "session": self.session, **self._welcome_spec}])
         if sent:
             self._probing[node_id] = node
         else:  # its next join tries again
@@ -338,7 +342,7 @@ class Membership:
         error = self.failure.error
         if now >= next_hb or (error is not None and not told):
             # a failed executor says so instead of heartbeating: its nodes free their GPUs
-            hb = ["hb", self.path.sent_seq] if error is None else ["failed", brief(str(error))]
+            hb = ["hb", self.path.sent_seq, self.session] if error is None else ["failed", brief(str(error))]
             ids = [n.node_id for n in list(self.nodes.values())]
             if self.path.send_beat(hb, ids, timeout=s.heartbeat_s / 2):
                 told = error is not None

@@ -289,9 +289,19 @@ def end_followers(followers: list[subprocess.Popen], grace_s: float = 10.0) -> N
     for f in followers:
         if f.poll() is None:
             f.terminate()
-    for f in followers:
-        try:
-            f.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            f.kill()
-            f.wait()
+    try:
+        for f in followers:
+            try:
+                f.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                f.kill()
+                try:
+                    f.wait(KILL_WAIT_S)
+                except subprocess.TimeoutExpired:  # (uninterruptible sleep outlives SIGKILL)
+                    log.error("follower pid %d did not end %.0f s after SIGKILL: left to the system",
+                              f.pid, KILL_WAIT_S)
+    except BaseException:  # a second Ctrl-C or SIGTERM: no more grace for any
+        for f in followers:
+            if f.poll() is None:
+                f.kill()
+        raise

@@ -407,7 +407,9 @@ class ZmqSender:
         self.sock.close(linger=int(linger_s * 1000))
 
 
-KEEP_REPLY_BYTES = 512 * 2**20  # copies of the replies the driver may lack; past this the oldest go
+# Copies of the replies the driver may lack; past this the oldest go. A reply bigger
+# than this is not kept: copying it would drop every other (and cost its size again).
+KEEP_REPLY_BYTES = 512 * 2**20
 
 
 class ReplySender(ZmqSender):
@@ -425,7 +427,11 @@ class ReplySender(ZmqSender):
 
     def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64,
                  configure: Callable[[zmq.Socket], None] | None = None, max_bytes: int | None = None):
-        super().__init__(address, ctx, hwm, configure, max_bytes)
+        # without ``ctx`` a context of its own, which close ends: only a context's end
+        # waits for what is queued to leave (ZeroMQ's linger), and a worker then exits
+        # with os._exit (a failed start's traceback was lost while its link formed)
+        self._own_ctx = zmq.Context() if ctx is None else None
+        super().__init__(address, ctx or self._own_ctx, hwm, configure, max_bytes)
         self._lock = threading.Lock()  # the socket: the callers' puts and the monitor's sends
         self._kept: collections.deque = collections.deque()  # (seq, frames, bytes)
         self._kept_bytes = 0
@@ -448,9 +454,9 @@ class ReplySender(ZmqSender):
             if self._closing.is_set():  # (the socket is being closed: no thread may use it)
                 raise Cancelled("reply sender closed")
             self.put_frames(frames, timeout, self._closing)
-            if seq > 0:
+            size = sum(memoryview(f).nbytes for f in frames)
+            if 0 < seq and size <= KEEP_REPLY_BYTES:  # (a bigger copy would push out every other)
                 kept = [f if type(f) is bytes else bytes(f) for f in frames]
-                size = sum(len(f) for f in kept)
                 self._kept.append((seq, kept, size))
                 self._kept_bytes += size
                 while self._kept_bytes > KEEP_REPLY_BYTES:
@@ -498,6 +504,10 @@ class ReplySender(ZmqSender):
         self._thread.join(2.0)  # (without the lock: it may be waiting for it, to return)
         with self._lock_or_not():
             super().close(linger_s)
+        if self._own_ctx is not None:  # what is queued leaves, for linger_s at most
+            ending = threading.Thread(target=self._own_ctx.term, name="zbus-replies-end", daemon=True)
+            ending.start()
+            ending.join(linger_s + 1.0)
 
     @contextlib.contextmanager
     def _lock_or_not(self) -> Iterator[None]:

@@ -61,8 +61,9 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from . import shm
+from .codec import MAX_MESSAGE
 from .config import RingGeometry, WaitPolicy
-from .errors import Cancelled, RingClosed, SendTimeout
+from .errors import Cancelled, CodecError, RingClosed, SendTimeout
 
 Buffer = Any  # bytes, bytearray, memoryview, or anything with the buffer protocol
 
@@ -561,13 +562,18 @@ class RingReader(_Ring):
         buf, cb = self._buf, self.chunk_bytes
         if self._partial is None:
             pos = self._next_chunk(deadline, cancel)
-            frames = _read_message(buf, pos, min(cb, BufferPool.MIN_BYTES - 1))
+            try:
+                frames = _read_message(buf, pos, min(cb, BufferPool.MIN_BYTES - 1))
+            except ValueError as e:
+                raise self._dropped(e) from None
             if frames is not None:  # most calls: a small message in one chunk
                 self._pos, self._taken = self._pos + 1, frames  # (together: see below)
                 self._give_back()
                 self._taken = None
                 return frames
             total = struct.unpack_from("<Q", buf, pos)[0]
+            if total > MAX_MESSAGE:
+                raise self._dropped(ValueError(f"its size {total} is over ZBUS_MAX_MESSAGE")) from None
             if self._fd is not None and BufferPool.MIN_BYTES <= total <= cb * self.n_chunks:
                 if self._copy_instead:
                     self._copy_instead -= 1
@@ -594,11 +600,18 @@ class RingReader(_Ring):
             self._give_back()
         try:
             frames = _split_frames(out)
-        except Exception:  # a corrupt message is dropped (a signal's exception keeps it)
+        except ValueError as e:  # a corrupt message is dropped (a signal's exception keeps it)
             self._partial = None
-            raise
+            raise CodecError(f"ring {self.name}: a corrupt message dropped: {e}") from None
         self._partial = None
         return frames
+
+    def _dropped(self, why: Exception) -> CodecError:
+        """Drop the chunk at ``_pos``, whose message is corrupt (a stray write of a
+        process on this node): the next ``recv`` reads what follows it."""
+        self._pos += 1
+        self._give_back()
+        return CodecError(f"ring {self.name}: a corrupt message dropped: {why}")
 
     def close(self) -> None:
         """Detach: the writer stops waiting for this reader."""

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, NoReturn
 
 from . import protocol, shm
@@ -323,6 +324,9 @@ def _run_on_exit(timeout: float = -1) -> None:
 # How long an orphaned worker gives its ``atexit`` hooks: its main thread may be stuck
 # (in a collective with a dead peer, say), so they run on the watching thread.
 ORPHAN_EXIT_S = 1.0
+# How long a worker that left by an exception gives its atexit hooks: more than
+# the driver's EXIT_REPORT_S, so that a local worker's caller learns of it first.
+FAILED_EXIT_S = 5.0
 
 
 def _watch_death_pipe(fd: int, segments: list[str]) -> None:
@@ -347,12 +351,12 @@ def _watch_death_pipe(fd: int, segments: list[str]) -> None:
     os._exit(3)
 
 
-def _for_a_while(clean_up: Callable[[], object], name: str) -> None:
-    """Run an orphan's ``clean_up`` on a thread of its own, for :data:`ORPHAN_EXIT_S`
-    at most: it may wait on a peer gone with the driver."""
+def _for_a_while(clean_up: Callable[[], object], name: str, seconds: float = ORPHAN_EXIT_S) -> None:
+    """Run ``clean_up`` on a thread of its own, for ``seconds`` at most: an orphan's
+    may wait on a peer gone with the driver."""
     thread = threading.Thread(target=clean_up, name=name, daemon=True)
     thread.start()
-    thread.join(ORPHAN_EXIT_S)
+    thread.join(seconds)
 
 
 def main() -> None:
@@ -381,46 +385,56 @@ def main() -> None:
     else:
         out = ShmSender(resp)
     try:
-        spec = codec.decode(bcast.recv())
         try:
-            worker = build_worker(spec, place)
-        except BaseException as e:  # noqa: BLE001 - the driver shows it
-            out.put([place["rank"], protocol.READY, protocol.RAISED, e])
-            raise SystemExit(1) from None
-        out.put([place["rank"], protocol.READY, protocol.OK, {"pid": os.getpid()}])
-        poll = spec.get("poll_s")  # the executor's poll_after_call_s
-        if type(poll) in (int, float) and 0 <= poll <= MAX_POLL_S:
-            bcast.keep_polling(poll)
-
-        def put(reply: list) -> None:
+            spec = codec.decode(bcast.recv())
             try:
-                out.put([place["rank"], *reply])
-            except CodecError as e:  # a result zbus cannot send: the caller gets why
-                out.put([place["rank"], reply[0], protocol.RAISED, e])
+                worker = build_worker(spec, place)
+            except BaseException as e:  # noqa: BLE001 - the driver shows it
+                out.put([place["rank"], protocol.READY, protocol.RAISED, e])
+                raise SystemExit(1) from None
+            out.put([place["rank"], protocol.READY, protocol.OK, {"pid": os.getpid()}])
+            poll = spec.get("poll_s")  # the executor's poll_after_call_s
+            if type(poll) in (int, float) and 0 <= poll <= MAX_POLL_S:
+                bcast.keep_polling(poll)
 
-        serve(worker, bcast.recv, put, spec.get("allow_import", True), getattr(out, "ack", None))
-    finally:
-        _end_if_forked(_exit_code(sys.exc_info()[1]))
-        try:
-            _run_on_exit()
+            def put(reply: list) -> None:
+                try:
+                    out.put([place["rank"], *reply])
+                except CodecError as e:  # a result zbus cannot send: the caller gets why
+                    out.put([place["rank"], reply[0], protocol.RAISED, e])
+
+            serve(worker, bcast.recv, put, spec.get("allow_import", True), getattr(out, "ack", None))
         finally:
-            bcast.close()
-            out.close()
-    _end_stopped()
+            _end_if_forked(_exit_code(sys.exc_info()[1]))
+            try:
+                _run_on_exit()
+            finally:
+                bcast.close()
+                out.close()
+    except BaseException as e:  # a method's SystemExit, SIGTERM, Ctrl-C, a failed start
+        if not isinstance(e, SystemExit):
+            traceback.print_exc()  # (as the interpreter would: it no longer ends this process)
+        _end(_exit_code(e), FAILED_EXIT_S)
+    _end(0)
 
 
-def _end_stopped() -> NoReturn:
-    """End a worker whose loop ended (told to stop, or its ring closed): its
-    ``atexit`` hooks run and its output is flushed, then ``os._exit`` (as
-    multiprocessing's forked children end), without finalizing every object or
+def _end(code: int, hooks_s: float | None = None) -> NoReturn:
+    """End this worker process once its loop ended: its ``atexit`` hooks run (for
+    ``hooks_s`` at most, when given) and its output is flushed, then ``os._exit``
+    (as multiprocessing's forked children end), without finalizing every object or
     waiting for non-daemon threads: with torch and vLLM loaded that takes over a
-    second, inside the few seconds vLLM gives its engine to end."""
+    second, inside the few seconds vLLM gives its engine to end. A worker that left
+    by an exception bounds its hooks: its node reports its death (and its callers
+    learn it) only once it is gone."""
     _ending.acquire()  # (an orphan watcher that holds it ends the process itself)
-    atexit._run_exitfuncs()
+    if hooks_s is None:
+        atexit._run_exitfuncs()
+    else:
+        _for_a_while(atexit._run_exitfuncs, "zbus-atexit", hooks_s)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(0)
+    os._exit(code)
 

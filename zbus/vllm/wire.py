@@ -7,10 +7,15 @@ the state is encoded like any other value. A class (the executor backend in the
 configuration) travels as its qualified name and arrives as that string. On the receiving end a name is only
 looked up, never imported: the class must live in a module of vLLM that is
 already loaded (:data:`WIRE_MODULES` are loaded up front), and be a dataclass,
-an enum, a msgspec struct or a named tuple; a Hugging Face model configuration
-is found through transformers' own fixed table of model types. The object is
-then made as pickle makes it (no ``__init__`` for plain classes), from plain data.
-What cannot be carried fails loudly and names its type.
+an enum, a msgspec struct, a named tuple, a dict or ``UserDict``, or data by its
+vLLM base (:data:`DATA_BASES`: a KV or EC connector's metadata, a quantization
+config); a Hugging Face model configuration is found through transformers' own
+fixed table of model types, a quantization config through vLLM's table of
+quantization methods. The object is then made as pickle makes it (no
+``__init__`` for plain classes), from plain data. Pickle keeps shared references,
+the wire does not: a model configuration's ``hf_text_config``, the very
+``hf_config`` (or a part of it) on the sender, is made so again. What cannot be
+carried fails loudly and names its type.
 """
 
 from __future__ import annotations
@@ -32,6 +37,18 @@ WIRE_MODULES = (
     "vllm.v1.worker.worker_base", "vllm.v1.request", "vllm.multimodal.inputs",
     "vllm.model_executor.models.registry",
 )
+
+
+# Plain classes of vLLM that are data by their base ("module:QualName", looked up
+# only once loaded): carried as their state, made as pickle makes them.
+DATA_BASES = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorMetadata",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorWorkerMetadata",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorHandshakeMetadata",
+    "vllm.distributed.ec_transfer.ec_connector.base:ECConnectorMetadata",
+    "vllm.model_executor.layers.quantization.base_config:QuantizationConfig",
+)
+_QUANTIZATION = "vllm.model_executor.layers.quantization."
 
 
 def _is_vllm(module: str) -> bool:
@@ -114,6 +131,8 @@ def _reducer(t: type) -> Callable[[Any], tuple[str, Any]] | None:
     if issubclass(t, tuple):
         return lambda obj: (name, list(obj))
     state = _state_of(t)
+    if issubclass(t, dict):  # its items, which the instance dict does not hold
+        return lambda obj: (name, [dict(obj), state(obj)])
     return lambda obj: (name, state(obj))
 
 
@@ -153,18 +172,45 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
         return restore
 
     slotted = any("__slots__" in vars(c) for c in cls.__mro__[:-1])
+    after = _AFTER_BUILD.get(name)
 
     def fill(name: str, state: Any) -> Any:  # as pickle does: no __init__
+        items = None
+        if issubclass(cls, dict):
+            if type(state) is not list or len(state) != 2 or type(state[0]) is not dict:
+                raise CodecError(f"malformed {name}")
+            items, state = state
         if type(state) is not dict or not set(map(type, state)) <= {str}:
             raise CodecError(f"malformed {name}")
         obj = cls.__new__(cls)
+        if items is not None:
+            dict.update(obj, items)
         if slotted:
             for key, value in state.items():
                 object.__setattr__(obj, key, value)
         else:
             obj.__dict__.update(state)
+        if after is not None:
+            after(obj)
         return obj
     return fill
+
+
+def _same_text_config(model_config: Any) -> None:
+    """A model configuration's ``hf_text_config`` is its ``hf_config``, or a part of
+    it, on the sender (``get_hf_text_config``): made so again where equal. vLLM
+    tells them apart by identity (a Transformers model whose two differ is taken
+    for a multimodal one)."""
+    hf_config = getattr(model_config, "hf_config", None)
+    try:
+        text = hf_config.get_text_config()
+    except Exception:  # noqa: BLE001 - not a Hugging Face configuration: nothing to share
+        return
+    if text == getattr(model_config, "hf_text_config", None):
+        model_config.hf_text_config = text
+
+
+_AFTER_BUILD: dict[str, Callable[[Any], None]] = {"vllm.config.model:ModelConfig": _same_text_config}
 
 
 def _torch_device(state: Any) -> Any:
@@ -191,6 +237,8 @@ def _wire_class(name: str, state: Any) -> type:
     if module_name.startswith("transformers."):
         return _hf_class(name, state)
     module = sys.modules.get(module_name)
+    if module is None and module_name.startswith(_QUANTIZATION):
+        return _quantization_class(name)
     if not _is_vllm(module_name) or module is None or not qualname or "<" in qualname:
         raise CodecError(f"type {name[:200]!r} is not one of vLLM's loaded types: not carried")
     obj: Any = module
@@ -201,9 +249,40 @@ def _wire_class(name: str, state: Any) -> type:
         obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
     if not isinstance(obj, type) or obj.__module__ != module_name or not (
             dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
-            or hasattr(obj, "__struct_fields__") or (issubclass(obj, tuple) and hasattr(obj, "_fields"))):
+            or hasattr(obj, "__struct_fields__") or (issubclass(obj, tuple) and hasattr(obj, "_fields"))
+            or _data_by_base(obj)):
         raise CodecError(f"type {name[:200]!r} is not a data type of vLLM: not carried")
     return obj
+
+
+def _data_by_base(cls: type) -> bool:
+    """Whether ``cls`` is data by its base (a dict, a ``UserDict``, one of
+    :data:`DATA_BASES`), without a finalizer that could act on what it is given."""
+    if getattr(cls, "__del__", None) is not None:
+        return False
+    if issubclass(cls, (dict, collections.UserDict)):
+        return True
+    for base in DATA_BASES:
+        module_name, _, qualname = base.partition(":")
+        found = vars(sys.modules[module_name]).get(qualname) if module_name in sys.modules else None
+        if isinstance(found, type) and issubclass(cls, found):
+            return True
+    return False
+
+
+def _quantization_class(name: str) -> type:
+    """A quantization config class not loaded yet, through vLLM's own table of
+    quantization methods (which imports vLLM's modules of them, never one named)."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    for method in QUANTIZATION_METHODS:
+        try:
+            cls = get_quantization_config(method)
+        except Exception:  # noqa: BLE001 - a method this platform cannot load
+            continue
+        if f"{cls.__module__}:{cls.__qualname__}" == name:
+            return cls
+    raise CodecError(f"type {name[:200]!r} is not a quantization config of vLLM's table: not carried")
 
 
 def _hf_class(name: str, state: Any) -> type:

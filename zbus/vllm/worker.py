@@ -297,6 +297,8 @@ def check_remote_config(config: Any, allow: set[str]) -> None:
     backend = getattr(getattr(config, "compilation_config", None), "backend", None)
     if backend and (not isinstance(backend, str) or "." in backend):  # a qualified name vLLM imports
         named("a compilation backend", backend)
-    if mc.trust_remote_code and "trust_remote_code" not in allow:
-        raise ZbusError(f"the leader's configuration asks to trust remote code of {mc.model!r}; "
-                        f"this node refuses (set {ALLOW_ENV}=trust_remote_code on this node to allow it)")
+    for model in (mc, getattr(spec, "draft_model_config", None)):  # (a draft model loads its own)
+        if getattr(model, "trust_remote_code", False) and "trust_remote_code" not in allow:
+            raise ZbusError(f"the leader's configuration asks to trust remote code of {model.model!r}; "
+                            f"this node refuses (set {ALLOW_ENV}=trust_remote_code on this node to "
+                            "allow it)")
