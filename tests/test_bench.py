@@ -170,3 +170,40 @@ def test_a_nodes_benchmark_that_fails_to_start_ends_every_process_it_started(tmp
     finally:
         for p in baselines():
             p.kill()
+
+
+def test_a_bench_killed_leaves_no_reader_or_subscriber_waiting():
+    """``zbus bench ring`` SIGKILLed mid-run (a cancelled job, the OOM killer): its
+    ring readers and pyzmq subscribers end with it. Before, nothing told them: they
+    waited for good for a message that would never come, holding their mappings of
+    the ring. Sabotage: no ``die_with_parent`` in ``_ring_echo`` and ``sub_worker``
+    -> four processes left."""
+    import time
+
+    import psutil
+    from conftest import wait_until
+
+    bench = psutil.Popen([sys.executable, "-m", "zbus.cli", "bench", "ring", "--seconds", "60"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    helpers: list = []
+    try:
+        wait_until(lambda: len(bench.children()) >= 4, 60, "the bench's two readers and two subscribers")
+        time.sleep(0.5)  # (each past its start, waiting for messages)
+        helpers = bench.children(recursive=True)
+        bench.kill()
+        bench.wait(10)
+        gone, alive = psutil.wait_procs(helpers, timeout=10)
+        assert alive == [], [p.pid for p in alive]
+    finally:
+        from zbus import shm
+
+        shm.sweep_stale()  # the rings' names a SIGKILLed process leaves: the next start's sweep
+        for name in os.listdir("/tmp"):  # and its pyzmq baseline's socket files
+            if name.startswith(f"zbus-bench-{bench.pid}-"):
+                os.unlink(os.path.join("/tmp", name))
+        for p in [bench, *helpers]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass

@@ -15,6 +15,8 @@ import os
 import time
 from typing import Any
 
+from .processes import die_with_parent
+
 VLLM_QUEUE = "vllm.distributed.device_communicators.shm_broadcast"
 
 
@@ -23,6 +25,7 @@ def _spawn() -> Any:
 
 
 def _pipe_worker(conn: Any, reply: bool) -> None:
+    die_with_parent()
     while True:
         data = conn.recv_bytes()
         if data == b"stop":
@@ -61,6 +64,7 @@ def sub_worker(pub: str, push: str, index: int) -> None:
     index; ``stop`` ends it."""
     import zmq
 
+    die_with_parent()
     ctx = zmq.Context()
     sub, out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -187,6 +191,7 @@ def _vllm_worker(handle: Any, rank: int, conn: Any) -> None:
     queue when it is the output rank, as vLLM's ``WorkerProc`` does."""
     import importlib
 
+    die_with_parent()
     mq = importlib.import_module(VLLM_QUEUE).MessageQueue
     bcast = mq.create_from_handle(handle, rank)
     resp = mq(1, 1)

@@ -283,6 +283,21 @@ class LocalWorkers:
         self._death_w = -1
 
 
+def die_with_parent() -> None:
+    """End this process (SIGKILL) when its parent does: a helper that only serves
+    its parent (a benchmark's reader or subscriber) must not wait for good on one
+    that is gone (SIGKILLed, say), holding its shared memory."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if os.getppid() != parent:  # gone before the call
+        os._exit(1)
+
+
 def end_followers(followers: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     """End ``zbus follower`` processes this one started: SIGTERM (each ends its
     workers and tells its leader), then SIGKILL what is left ``grace_s`` later."""
