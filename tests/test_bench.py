@@ -178,8 +178,6 @@ def test_a_bench_killed_leaves_no_reader_or_subscriber_waiting():
     waited for good for a message that would never come, holding their mappings of
     the ring. Sabotage: no ``die_with_parent`` in ``_ring_echo`` and ``sub_worker``
     -> four processes left."""
-    import time
-
     import psutil
     from conftest import wait_until
 
@@ -188,8 +186,18 @@ def test_a_bench_killed_leaves_no_reader_or_subscriber_waiting():
                          env=dict(os.environ, PYTHONPATH=TEST_PATH))
     helpers: list = []
     try:
-        wait_until(lambda: len(bench.children()) >= 4, 60, "the bench's two readers and two subscribers")
-        time.sleep(0.5)  # (each past its start, waiting for messages)
+        def started() -> bool:  # each helper past its start: readers map the ring, subscribers
+            readers = subscribers = 0  # hold their ipc sockets
+            for p in bench.children():
+                try:
+                    with open(f"/proc/{p.pid}/maps") as f:
+                        readers += "/dev/shm/zbus-" in f.read()
+                    subscribers += "resource_tracker" not in " ".join(p.cmdline()) and bool(
+                        p.net_connections(kind="unix"))
+                except (psutil.Error, OSError):
+                    pass
+            return readers >= 2 and subscribers >= 2
+        wait_until(started, 60, "the bench's two ring readers and two subscribers")
         helpers = bench.children(recursive=True)
         bench.kill()
         bench.wait(10)

@@ -686,6 +686,12 @@ class Scaled:
         object.__setattr__(self, "derived", self.scale + 1)
 
 
+@codec.register
+@dataclasses.dataclass
+class Failing(Exception):
+    code: int = 0
+
+
 def test_a_registered_dataclass_is_made_as_pickle_makes_it():
     """Decoding sets the fields the sender's object has: its ``__init__`` and
     ``__post_init__`` ran on the sender and do not run again. Before, ``cls(**fields)``
@@ -695,6 +701,8 @@ def test_a_registered_dataclass_is_made_as_pickle_makes_it():
     ``_Decoder._dataclass`` -> CodecError "unexpected keyword argument 'derived'"."""
     out = decode(as_wire(encode(Scaled(1.0))))
     assert type(out) is Scaled and (out.scale, out.derived) == (2.0, 3.0)
+    error = decode(as_wire(encode(Failing(3))))  # made by its own __new__, as pickle does
+    assert type(error) is Failing and error.code == 3
     assert decode([header(ext(DATACLASS, [Point.__zbus_name__, {"x": 1, "y": 2.0}]))]) == Point(1, 2.0, "")
     with pytest.raises(zbus.CodecError, match="no field 'y'"):
         decode([header(ext(DATACLASS, [Point.__zbus_name__, {"x": 1}]))])

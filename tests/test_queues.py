@@ -790,7 +790,7 @@ from zbus.queues import ReplySender
 tx = ReplySender(sys.argv[1])
 tx.put([0, 1, 0, "last words"])
 print("put", flush=True)
-tx.close()
+tx.close(linger_s=10)
 os._exit(0)
 """
 
@@ -801,9 +801,9 @@ def test_a_reply_queued_when_its_worker_exits_still_leaves():
     (a keyed handshake waits on the leader's ZAP thread), was lost, since only a
     context's end waits for what is queued, and the worker ended none. The leader
     then reported a death without its traceback. Now the sender's own context ends
-    at close, waiting up to its linger (1 s). Here the leader's socket is bound only
-    0.3 s after the put. Sabotage: no ``term`` in ``ReplySender.close`` -> nothing
-    arrives."""
+    at close, waiting up to its linger (1 s for a worker; 10 s here, for a loaded
+    machine). Here the leader's socket is bound only 0.3 s after the put.
+    Sabotage: no ``term`` in ``ReplySender.close`` -> nothing arrives."""
     with socket.socket() as probe:
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]

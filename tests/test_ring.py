@@ -214,28 +214,35 @@ def test_recv_timeout_cancel_and_abort():
 
 
 @pytest.mark.parametrize("core", ["compiled", "python"])
-@pytest.mark.parametrize("corrupt", ["frames", "size"])
+@pytest.mark.parametrize("corrupt", ["frames", "size", "lent"])
 def test_a_corrupt_message_is_dropped_and_the_next_one_read(core, corrupt, monkeypatch):
     """A message whose header a stray write changed (user native code in a worker,
     another process of the node): its frame count no longer fits its size, or its
-    size is over ZBUS_MAX_MESSAGE. The reader drops it (CodecError, which callers
-    handle) and reads the next one. Before, a small one raised ValueError at every
-    recv for good, without moving on (callers caught only CodecError and
-    RingClosed), and a huge size was allocated. Sabotage: no ``try`` around
-    ``_read_message`` in ``RingReader.recv`` -> ValueError twice."""
+    size is one no message has; ``lent``: the frame count of a large message a
+    lending reader maps where it lies. The reader drops it (CodecError: the
+    driver answers its call with it; a worker ends, its death failing the
+    executor) and reads the next one. Before, a small one raised ValueError at
+    every recv for good, without moving on, a huge size raised MemoryError the same
+    way, and a lent one raised ValueError. Sabotage: no ``try`` around
+    ``_read_message`` in ``RingReader.recv`` -> ValueError twice (``frames``); none
+    around ``_pool.take`` -> MemoryError (``size``); none around ``_split_frames`` in
+    ``_lend`` -> ValueError (``lent``)."""
     if core == "python":
         monkeypatch.setattr(ring, "_read_message", ring._read_message_py)
     elif shm.core is None:
         pytest.skip("the compiled core is not built here (or ZBUS_PURE_PYTHON)")
-    writer = RingWriter.create(1, RingGeometry(256, 4))
-    reader = RingReader.attach(writer.handle, 0)
+    lent = corrupt == "lent"
+    if lent and not shm.can_lend():
+        pytest.skip("this kernel cannot lend (no memfd)")
+    writer = RingWriter.create(1, RingGeometry(64 * 1024, 8) if lent else RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0, lend=lent)
     try:
         at = writer._chunk(0)
-        writer.send([b"first"])
-        if corrupt == "frames":
-            struct.pack_into("<Q", writer._buf, at + 8, 1000)  # frames: past the message's size
+        writer.send([b"x" * 300_000] if lent else [b"first"])
+        if corrupt == "size":
+            struct.pack_into("<Q", writer._buf, at, 2**62)  # 4 EiB
         else:
-            struct.pack_into("<Q", writer._buf, at, 2**62)  # size: 4 EiB
+            struct.pack_into("<Q", writer._buf, at + 8, 100_000)  # frames: past the message's size
         writer.send([b"second"])
         with pytest.raises(zbus.CodecError, match="corrupt message dropped"):
             reader.recv(timeout=5)

@@ -519,8 +519,9 @@ def _build_dataclass(cls: type, name: str, values: dict) -> Any:
     """``cls`` made as pickle makes a dataclass: its fields set (a missing one to its
     default), neither ``__init__`` nor ``__post_init__`` run. They ran on the sender,
     and may change what they are given (a field scaled twice) or take other
-    arguments (``init=False`` fields, ``InitVar``s)."""
-    obj = object.__new__(cls)
+    arguments (``init=False`` fields, ``InitVar``s). Only fields travel: an attribute
+    that ``__post_init__`` sets and no field declares is not there."""
+    obj = cls.__new__(cls)  # (not object's: a dataclass may be an Exception, say)
     fields = dataclasses.fields(cls)
     for f in fields:
         if f.name in values:

@@ -92,11 +92,24 @@ def keygen(directory: str, nodes: int) -> list[str]:
 
     if not zmq.has("curve"):
         raise ZbusError("this libzmq has no CurveZMQ support (needs libsodium)")
+    if nodes < 1:
+        raise ValueError(f"keygen needs at least 1 node, got {nodes}")
     if os.path.isdir(directory) and os.listdir(directory):  # an old node key would stay authorized
         raise ZbusError(f"{directory} is not empty: keygen makes a whole new set of keys in a new "
                         "folder (or remove this one)")
     # (folders only this user enters: the secret files are made readable to all, then chmod)
     os.makedirs(directory, mode=0o700, exist_ok=True)
+    try:
+        return _make_keys(directory, nodes)
+    except BaseException:  # (a full disk, Ctrl-C): no half set, and the folder free for a retry
+        for name in os.listdir(directory):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        raise
+
+
+def _make_keys(directory: str, nodes: int) -> list[str]:
+    import zmq.auth
+
     leader = os.path.join(directory, "leader")
     authorized = os.path.join(leader, "authorized")
     os.makedirs(authorized, mode=0o700)
@@ -145,10 +158,15 @@ class _ZapLog(logging.LoggerAdapter):
         if now - self._said_at < 1.0:
             self._unsaid += 1
             return
-        if self._unsaid:
-            self.warning("ZAP refused %d more keys in the last %.0f s", self._unsaid, now - self._said_at)
-        self._said_at, self._unsaid = now, 0
+        self.say_unsaid()
+        self._said_at = now
         self.warning(msg, *args, **kwargs)
+
+    def say_unsaid(self) -> None:
+        """The count of the refusals not logged since the last one that was."""
+        if self._unsaid:
+            self.warning("ZAP refused %d more keys since the last one logged", self._unsaid)
+            self._unsaid = 0
 
 
 class LeaderCurve:
@@ -231,6 +249,7 @@ class LeaderCurve:
         for sock in self._monitors:
             sock.close(linger=0)
         self.auth.stop()
+        self.zap_log.say_unsaid()
 
 
 class NodeCurve:

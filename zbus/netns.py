@@ -67,7 +67,7 @@ class Node:
     def shm_segments(self) -> list[str]:
         out = subprocess.run(["nsenter", "-t", str(self.sentinel.pid), "-m", "ls", "/dev/shm"],
                              capture_output=True, text=True, timeout=10, check=True)
-        return [n for n in out.stdout.split() if n.startswith("zbus-")]
+        return [n for n in out.stdout.split() if n.startswith("zbus-") or "?zbus_node=" in n]
 
     def pids(self) -> list[int]:
         """Every process in this node's network namespace, but the sentinel."""

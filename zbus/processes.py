@@ -288,23 +288,25 @@ def die_with_parent() -> None:
     its parent (a benchmark's reader or subscriber) must not wait for good on one
     that is gone (SIGKILLed, say), holding its shared memory."""
     import ctypes
+    import multiprocessing
 
-    parent = os.getppid()
+    started_by = multiprocessing.parent_process()  # (its pid from before this process ran)
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+            return
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         return
-    if os.getppid() != parent:  # gone before the call
-        os._exit(1)
+    if os.getppid() != (started_by.pid if started_by is not None else os.getppid()):
+        os._exit(1)  # gone before the call
 
 
 def end_followers(followers: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     """End ``zbus follower`` processes this one started: SIGTERM (each ends its
     workers and tells its leader), then SIGKILL what is left ``grace_s`` later."""
-    for f in followers:
-        if f.poll() is None:
-            f.terminate()
     try:
+        for f in followers:
+            if f.poll() is None:
+                f.terminate()
         for f in followers:
             try:
                 f.wait(grace_s)

@@ -61,7 +61,6 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from . import shm
-from .codec import MAX_MESSAGE
 from .config import RingGeometry, WaitPolicy
 from .errors import Cancelled, CodecError, RingClosed, SendTimeout
 
@@ -526,7 +525,10 @@ class RingReader(_Ring):
             return None
         self._pos += k  # before the loan is ours to end: never the same message twice
         self._loan = loan
-        return _split_frames(loan.view())
+        try:
+            return _split_frames(loan.view())
+        except ValueError as e:  # corrupt: dropped (its loan ends at the next recv)
+            raise CodecError(f"ring {self.name}: a corrupt message dropped: {e}") from None
 
     def _end_loan(self) -> None:
         """Give the lent message's chunks back. A view of it still alive gets a
@@ -572,8 +574,6 @@ class RingReader(_Ring):
                 self._taken = None
                 return frames
             total = struct.unpack_from("<Q", buf, pos)[0]
-            if total > MAX_MESSAGE:
-                raise self._dropped(ValueError(f"its size {total} is over ZBUS_MAX_MESSAGE")) from None
             if self._fd is not None and BufferPool.MIN_BYTES <= total <= cb * self.n_chunks:
                 if self._copy_instead:
                     self._copy_instead -= 1
@@ -582,7 +582,10 @@ class RingReader(_Ring):
                     if frames is not None:
                         return frames
             take = min(cb, total)
-            out = self._pool.take(total)
+            try:
+                out = self._pool.take(total)
+            except (MemoryError, OverflowError, OSError, ValueError) as e:  # a size no message has
+                raise self._dropped(ValueError(f"its size {total}: {type(e).__name__}")) from None
             out[:take] = buf[pos:pos + take]
             self._pos, self._partial = self._pos + 1, (out, take)  # (together: see below)
         out, got = self._partial

@@ -269,6 +269,8 @@ def _exit_code(exc: BaseException | None) -> int:
     """The status ``exc`` (None: a normal return) ends a process with."""
     if exc is None or isinstance(exc, SystemExit) and exc.code is None:
         return 0
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT  # (a shell's code for a process ended by SIGINT)
     return exc.code if isinstance(exc, SystemExit) and type(exc.code) is int else 1
 
 
@@ -412,8 +414,11 @@ def main() -> None:
                 bcast.close()
                 out.close()
     except BaseException as e:  # a method's SystemExit, SIGTERM, Ctrl-C, a failed start
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ending already: no exit by another way
         if not isinstance(e, SystemExit):
             traceback.print_exc()  # (as the interpreter would: it no longer ends this process)
+        elif e.code is not None and type(e.code) is not int:
+            print(e.code, file=sys.stderr)  # sys.exit("why"), as the interpreter says it
         _end(_exit_code(e), FAILED_EXIT_S)
     _end(0)
 

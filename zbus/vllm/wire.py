@@ -166,8 +166,15 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
     if getattr(cls, "__setstate__", None) is not None and \
             getattr(cls, "__getstate__", object.__getstate__) is not object.__getstate__:
         def restore(name: str, state: Any) -> Any:
+            items = None
+            if issubclass(cls, dict):  # [items, state], as it was reduced
+                if type(state) is not list or len(state) != 2 or type(state[0]) is not dict:
+                    raise CodecError(f"malformed {name}")
+                items, state = state
             obj = cls.__new__(cls)
             obj.__setstate__(state)
+            if items is not None:
+                dict.update(obj, items)
             return obj
         return restore
 
