@@ -391,16 +391,16 @@ class ZmqSender:
     def put(self, obj: Any, timeout: float | None = None) -> None:
         self.put_frames(codec.encode(obj), timeout)
 
-    def put_frames(self, frames: Sequence[Any], timeout: float | None = None, cancel: Any = None) -> None:
-        """Send one message; CodecError, sending nothing, if it is over the reader's
-        limit (the reader would drop it, with the connection if one frame is over);
-        Cancelled once ``cancel`` (an Event) is set while it waits."""
-        if self.max_bytes is not None:
-            size = sum(memoryview(f).nbytes for f in frames)
-            if size > self.max_bytes:
-                raise CodecError(f"a message of {size} bytes is over the {self.max_bytes} bytes the "
-                                 "leader takes (ZBUS_MAX_REPLY on the leader)")
+    def put_frames(self, frames: Sequence[Any], timeout: float | None = None, cancel: Any = None) -> int:
+        """Send one message; its size. CodecError, sending nothing, if it is over the
+        reader's limit (the reader would drop it, with the connection if one frame is
+        over); Cancelled once ``cancel`` (an Event) is set while it waits."""
+        size = sum(memoryview(f).nbytes for f in frames)
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise CodecError(f"a message of {size} bytes is over the {self.max_bytes} bytes the "
+                             "leader takes (ZBUS_MAX_REPLY on the leader)")
         send_frames(self.sock, frames, deadline_of(timeout), "response send", cancel)
+        return size
 
     def close(self, linger_s: float = 1.0) -> None:
         """Close, giving queued replies ``linger_s`` to leave."""
@@ -453,8 +453,7 @@ class ReplySender(ZmqSender):
         with self._lock:
             if self._closing.is_set():  # (the socket is being closed: no thread may use it)
                 raise Cancelled("reply sender closed")
-            self.put_frames(frames, timeout, self._closing)
-            size = sum(memoryview(f).nbytes for f in frames)
+            size = self.put_frames(frames, timeout, self._closing)
             if 0 < seq and size <= KEEP_REPLY_BYTES:  # (a bigger copy would push out every other)
                 kept = [f if type(f) is bytes else bytes(f) for f in frames]
                 self._kept.append((seq, kept, size))

@@ -166,11 +166,7 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
     if getattr(cls, "__setstate__", None) is not None and \
             getattr(cls, "__getstate__", object.__getstate__) is not object.__getstate__:
         def restore(name: str, state: Any) -> Any:
-            items = None
-            if issubclass(cls, dict):  # [items, state], as it was reduced
-                if type(state) is not list or len(state) != 2 or type(state[0]) is not dict:
-                    raise CodecError(f"malformed {name}")
-                items, state = state
+            items, state = _dict_items(cls, name, state)
             obj = cls.__new__(cls)
             obj.__setstate__(state)
             if items is not None:
@@ -182,11 +178,7 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
     after = _AFTER_BUILD.get(name)
 
     def fill(name: str, state: Any) -> Any:  # as pickle does: no __init__
-        items = None
-        if issubclass(cls, dict):
-            if type(state) is not list or len(state) != 2 or type(state[0]) is not dict:
-                raise CodecError(f"malformed {name}")
-            items, state = state
+        items, state = _dict_items(cls, name, state)
         if type(state) is not dict or not set(map(type, state)) <= {str}:
             raise CodecError(f"malformed {name}")
         obj = cls.__new__(cls)
@@ -201,6 +193,16 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
             after(obj)
         return obj
     return fill
+
+
+def _dict_items(cls: type, name: str, state: Any) -> tuple[dict | None, Any]:
+    """(items, state) of a dict subclass, reduced as ``[items, state]``; (None, state)
+    for any other class."""
+    if not issubclass(cls, dict):
+        return None, state
+    if type(state) is not list or len(state) != 2 or type(state[0]) is not dict:
+        raise CodecError(f"malformed {name}")
+    return state[0], state[1]
 
 
 def _same_text_config(model_config: Any) -> None:
