@@ -180,10 +180,10 @@ def no_segment_left_for_the_sweep():
     """After each test, no zbus segment whose creator has ended may be left. The
     next executor's or node's start removes such segments (``shm.sweep_stale``), so
     the session's own check, at its end, would not see a leak of any test but the
-    last: it is caught here, by the test that made it. Sabotage:
-    ``self.ring.close(unlink=False)`` in ``NodeAgent._close`` -> a follower whose
-    worker fails to start leaves its ring's name, and its test fails here (the
-    session's check passed: the next test's start swept the name)."""
+    last: it is caught here, by the test that made it. Sabotage: no ``shm.unlink``
+    in ``NodeAgent._close`` and ``self.ring.close(unlink=False)`` there -> a
+    follower whose worker fails to start leaves its ring's name, and its test fails
+    here (the session's check passed: the next test's start swept the name)."""
     from zbus import shm
 
     before = zbus_segments()

@@ -21,7 +21,7 @@ import zmq
 from conftest import TEST_PATH, end_process, shm_used, wait_until, zbus_segments
 
 import zbus
-from zbus import codec
+from zbus import codec, shm
 from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, free_port_pair, node_topic
 from zbus.config import RingGeometry
 from zbus.processes import node_shm_prefix
@@ -1386,6 +1386,38 @@ def test_a_follower_stopped_by_sigterm_ends_its_workers_and_tells_the_leader():
         assert procs[1].wait(15) == 143
         assert psutil.wait_procs(node2, timeout=10)[1] == []  # its worker ended with it
         node_2_left_saying(ex, t0, "stopped (SIGTERM")
+
+
+def test_a_follower_stopped_by_sigterm_while_it_closes_leaves_no_ring(tmp_path):
+    """Node 1's agent gives up (a call it cannot read) before call 1, so its ring
+    still has its name; it waits for its worker, slow to end (an ``atexit`` hook of
+    5 s), and SIGTERM lands then, as ``zbus demo`` ends its followers. The agent
+    still removes its ring's name and ends its worker. Before, the signal's
+    SystemExit cut its close short before the ring was closed: the name stayed in
+    /dev/shm (a CI run of ``zbus demo``'s SIGTERM test failed so). Sabotage: no
+    ``shm.unlink`` before the waits in ``NodeAgent._close`` -> the agent's segment
+    is left."""
+    from zbus import protocol
+
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        agent = psutil.Process(proc.pid)
+        with leader(port, workers.SlowExitWorker, nnodes=2, join_timeout=60,
+                    worker_kwargs={"path": str(tmp_path / "exit"), "seconds": 5.0}) as ex:
+            node1 = [agent, *agent.children()]
+            lead = ex._leader
+            assert lead.path.send_control(node_topic(lead.nodes[1].node_id) + TOPIC_RPC + protocol.PARTS,
+                                          ["not", "parts"])
+            wait_until((tmp_path / "exit.1").exists, 10, "node 1's worker running its atexit hook")
+            proc.terminate()  # the agent waits 2 s for that worker, then SIGTERMs it
+            assert proc.wait(15) == 143
+            assert psutil.wait_procs(node1, timeout=10)[1] == []
+        left = [n for n in zbus_segments() if n.split("-")[2] == str(proc.pid)]
+        assert not left, f"node 1's agent left {left}"
+    finally:
+        end_process(proc)
+        shm.sweep_stale()  # (what a failure left, for the next test's check)
 
 
 def test_a_caller_waiting_to_send_when_the_executor_fails_sends_nothing():

@@ -290,6 +290,14 @@ class DistWorker(zbus.Worker):
         dist.destroy_process_group()
 
 
+class SlowExitWorker(EchoWorker):
+    """Slow to end: an ``atexit`` hook that makes ``path.<rank>``, then sleeps."""
+
+    def __init__(self, path: str, seconds: float):
+        super().__init__()
+        atexit.register(lambda: (open(f"{path}.{self.rank}", "w").close(), time.sleep(seconds)))
+
+
 class NotAWorker:
     pass
 

@@ -659,18 +659,25 @@ class NodeAgent:
         return msg
 
     def _close(self) -> None:
-        if self.workers is not None:
+        # The ring's name first: a SIGTERM or Ctrl-C that cuts the wait for the
+        # workers short (``zbus demo`` ends its followers so) must not leave it.
+        if self.ring is not None and not self._ring_unnamed:
+            shm.unlink(self.ring.name)
+            self._ring_unnamed = True
+        try:
+            if self.workers is not None:
+                if self.ring is not None:
+                    self.ring.abort()  # workers blocked on the ring see it closed at once
+                self.workers.stop(grace=self._stop_grace, term_s=min(2.0, self._stop_grace * 2))
+        finally:
             if self.ring is not None:
-                self.ring.abort()  # workers blocked on the ring see it closed at once
-            self.workers.stop(grace=self._stop_grace, term_s=min(2.0, self._stop_grace * 2))
-        if self.ring is not None:
-            self.ring.close()
-        for sock in (self.sub, self.push):
-            if sock is not None:
-                sock.close(linger=0)
-        self.ctx.term()
-        os.close(self._death_r)
-        os.close(self._death_w)
+                self.ring.close()
+            for sock in (self.sub, self.push):
+                if sock is not None:
+                    sock.close(linger=0)
+            self.ctx.term()
+            os.close(self._death_r)
+            os.close(self._death_w)
 
 
 def _call_seq(envelope: Any) -> int | None:
