@@ -1837,3 +1837,29 @@ def test_exception_of_a_future_read_while_the_executor_shuts_down_returns_the_er
     assert len(got) == 1 and got[0][0] == "returned" and isinstance(got[0][1], zbus.ZbusError), got
     with pytest.raises(zbus.ZbusError, match="shut down"):
         future.result(0)
+
+
+def test_a_kill_cut_short_still_removes_the_nodes_named_memory(monkeypatch):
+    """A second Ctrl-C or SIGTERM lands while ``LocalWorkers.kill`` waits for its
+    SIGKILLed workers to be reaped (a process holding a GPU takes its time to die):
+    here its wait raises SystemExit(143), as that signal's handler does. What the
+    workers named with the node's prefix (vLLM's CPU all-reduce segments, which no
+    sweep knows) is removed all the same. Before, the removal came after the wait
+    and was skipped. Sabotage: ``shm.unlink_prefixed`` after the wait in ``kill``,
+    not in a ``finally`` -> the name stays."""
+    def cut_short(timeout):
+        raise SystemExit(143)
+
+    with zbus.Executor(EchoWorker, nproc_per_node=1) as ex:
+        workers_ = ex._workers
+        name = f"/dev/shm/{workers_._shm_prefix}held"
+        open(name, "w").close()
+        try:
+            with monkeypatch.context() as m:
+                m.setattr(workers_, "wait", cut_short)
+                with pytest.raises(SystemExit):
+                    workers_.kill()
+            assert not os.path.exists(name), "the node's name stayed"
+        finally:
+            if os.path.exists(name):
+                os.unlink(name)

@@ -224,8 +224,10 @@ class LocalWorkers:
             self.kill()
             raise
         finally:
-            self.close()
-        shm.unlink_prefixed(self._shm_prefix)
+            try:
+                self.close()
+            finally:
+                shm.unlink_prefixed(self._shm_prefix)
 
     def kill(self) -> None:
         self.stopping = True
@@ -233,11 +235,13 @@ class LocalWorkers:
             self._signal(p, signal.SIGKILL, group=True)
         # for them all: a hung driver hangs every worker (a process in uninterruptible
         # sleep outlives SIGKILL)
-        if not self.wait(KILL_WAIT_S):
-            for i in self.alive():
-                log.error("worker pid %d did not end %.0f s after SIGKILL: left to the system",
-                          self.procs[i].pid, KILL_WAIT_S)
-        shm.unlink_prefixed(self._shm_prefix)
+        try:
+            if not self.wait(KILL_WAIT_S):
+                for i in self.alive():
+                    log.error("worker pid %d did not end %.0f s after SIGKILL: left to the system",
+                              self.procs[i].pid, KILL_WAIT_S)
+        finally:  # (a second Ctrl-C in the wait, while a GPU process takes its time to die)
+            shm.unlink_prefixed(self._shm_prefix)
 
     def _reap(self, p: subprocess.Popen) -> int | None:
         """Worker ``p``'s exit code once it exited (None before), reaped here. First

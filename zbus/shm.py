@@ -167,9 +167,11 @@ class Segment:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
-        except OSError as e:
+        except BaseException as e:  # (a signal's exception too: the reservation takes a while)
             os.close(fd)
             unlink(name)
+            if not isinstance(e, OSError):
+                raise
             raise ShmSpaceError(
                 f"cannot reserve {size} bytes in {SHM_DIR} for {name}: {e.strerror}; "
                 "free space there or lower ZBUS_RING") from e
