@@ -103,6 +103,35 @@ def test_the_pyzmq_baseline_leaves_no_socket_file():
     assert not [f for f in files if os.path.exists(f)]
 
 
+@pytest.mark.parametrize("baseline", ["pipes", "pyzmq"])
+def test_a_baseline_whose_worker_is_gone_raises_instead_of_waiting(baseline):
+    """A baseline's worker dies (the OOM killer during the 64 MiB payloads): the
+    next call raises within ``REPLY_WAIT_S`` (2 s here; pipes at once, EOF), and
+    ``zbus bench`` ends. Before, the reply was waited for without a bound: the
+    pipe's other end stayed open in the bench itself (no EOF), and the PULL socket
+    had no timeout. Sabotage: no ``w.close()`` after start and no ``poll`` in
+    ``PipeBaseline.call``, or no ``poll`` in ``ZmqBaseline.call`` -> the process
+    is still waiting at 60 s."""
+    make = "PipeBaseline(1)" if baseline == "pipes" else "ZmqBaseline(1)"
+    code = ("import json, time\n"
+            "from zbus import baselines\n"
+            "baselines.REPLY_WAIT_S = 2.0\n"
+            f"b = baselines.{make}\n"
+            "b.call()\n"
+            "b.procs[0].kill(); b.procs[0].join(10)\n"
+            "t = time.monotonic()\n"
+            "try:\n"
+            "    b.call()\n"
+            "except (TimeoutError, EOFError, OSError) as e:\n"
+            "    print(json.dumps([type(e).__name__, time.monotonic() - t]))\n"
+            "b.close()\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=TEST_PATH),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    kind, waited = json.loads(r.stdout.splitlines()[-1])
+    assert waited < 10, (kind, waited)
+
+
 def test_paired_ratio_and_its_interval():
     """Block by block, so a slow stretch that hits both sides cancels. Sabotage: the
     ratio of the medians instead (0.37 here: the machine slowed 3x from the baseline's

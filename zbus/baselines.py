@@ -18,6 +18,7 @@ from typing import Any
 from .processes import die_with_parent
 
 VLLM_QUEUE = "vllm.distributed.device_communicators.shm_broadcast"
+REPLY_WAIT_S = 30.0  # the longest a baseline waits for a reply: a worker gone (OOM) ends the bench
 
 
 def _spawn() -> Any:
@@ -43,18 +44,22 @@ class PipeBaseline:
         self.repliers = [c for i, (c, _) in enumerate(self.pipes) if all_reply or i == 0]
         self.procs = [ctx.Process(target=_pipe_worker, args=(w, all_reply or i == 0), daemon=True)
                       for i, (_, w) in enumerate(self.pipes)]
-        for p in self.procs:
+        for p, (_, w) in zip(self.procs, self.pipes):
             p.start()
+            w.close()  # the child's end is the child's: its death is EOF here
 
     def call(self, data: Any = b"noop") -> None:
         for c, _ in self.pipes:
             c.send_bytes(data)
         for c in self.repliers:
+            if not c.poll(REPLY_WAIT_S):
+                raise TimeoutError(f"no pipe baseline reply in {REPLY_WAIT_S:.0f} s")
             c.recv_bytes()
 
     def close(self) -> None:
         for c, _ in self.pipes:
-            c.send_bytes(b"stop")
+            with contextlib.suppress(OSError):  # (a worker gone: its end is closed)
+                c.send_bytes(b"stop")
         for p in self.procs:
             p.join(10)
 
@@ -129,6 +134,8 @@ class ZmqBaseline:
         frames = [b"all" if all_reply else b"0"] + ([payload] if len(payload) else [])
         self.pub.send_multipart(frames, copy=len(payload) < 65536)
         for _ in range(len(self.procs) if all_reply else 1):
+            if not self.pull.poll(int(REPLY_WAIT_S * 1000)):
+                raise TimeoutError(f"no pyzmq baseline reply in {REPLY_WAIT_S:.0f} s: a subscriber gone?")
             self.pull.recv()
 
     def close(self) -> None:
