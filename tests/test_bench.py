@@ -84,6 +84,15 @@ def test_nodes_runs_across_namespace_hosts():
     assert all(r.median_us > 0 for r in rows)
 
 
+def last_json_line_of(code: str, timeout: float):
+    """Run ``code`` in a Python process of its own (multiprocessing's resource
+    tracker outlives a baseline); what its last line of output says, as JSON."""
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=TEST_PATH),
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
 def test_the_pyzmq_baseline_leaves_no_socket_file():
     """Closing ZeroMQ's sockets left their ipc files in /tmp (two per bench run).
     In a process of its own (multiprocessing's resource tracker outlives the
@@ -95,10 +104,7 @@ def test_the_pyzmq_baseline_leaves_no_socket_file():
             "files, made = zb._files, all(os.path.exists(f) for f in zb._files)\n"
             "zb.close()\n"
             "print(json.dumps([made, files]))\n")
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=TEST_PATH),
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    made, files = json.loads(r.stdout.splitlines()[-1])
+    made, files = last_json_line_of(code, 120)
     assert made and len(files) == 2
     assert not [f for f in files if os.path.exists(f)]
 
@@ -125,10 +131,7 @@ def test_a_baseline_whose_worker_is_gone_raises_instead_of_waiting(baseline):
             "except (TimeoutError, EOFError, OSError) as e:\n"
             "    print(json.dumps([type(e).__name__, time.monotonic() - t]))\n"
             "b.close()\n")
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=TEST_PATH),
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
-    kind, waited = json.loads(r.stdout.splitlines()[-1])
+    kind, waited = last_json_line_of(code, 60)
     assert waited < 10, (kind, waited)
 
 
