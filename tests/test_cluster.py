@@ -53,9 +53,10 @@ class Lines:
         return any(needle in line for line in list(self.lines))
 
 
-def leader(port: int, worker=workers.EchoWorker, nnodes: int = 3, **kw) -> zbus.Executor:
+def leader(port: int, worker=workers.EchoWorker, nnodes: int = 3, liveness_s: float = 2.0,
+           **kw) -> zbus.Executor:
     return zbus.Executor(worker, nnodes=nnodes, nproc_per_node=1, master_addr="127.0.0.1",
-                         master_port=port, liveness_s=2.0, **kw)
+                         master_port=port, liveness_s=liveness_s, **kw)
 
 
 def test_follower_started_early_waits_and_one_that_joined_early_is_kept_alive():
@@ -1454,13 +1455,13 @@ def test_a_caller_waiting_to_send_when_the_executor_fails_sends_nothing():
 
 
 @contextlib.contextmanager
-def leader_and_two_followers():
-    """A leader and followers 1 and 2, one worker each: (executor, the follower
-    processes, node 2's agent and worker)."""
+def leader_and_two_followers(**kw):
+    """A leader (``kw``: more of its settings) and followers 1 and 2, one worker
+    each: (executor, the follower processes, node 2's agent and worker)."""
     port = free_port_pair()
     procs = [follower(port, "--node-rank", "1"), follower(port, "--node-rank", "2")]
     try:
-        ex = leader(port, join_timeout=60)
+        ex = leader(port, join_timeout=60, **kw)
         try:
             node2 = [psutil.Process(procs[1].pid), *psutil.Process(procs[1].pid).children()]
             assert len(node2) == 2  # agent + worker
@@ -1485,6 +1486,32 @@ def test_a_node_takes_the_heartbeat_on_its_own_topic_as_on_the_broadcast_one():
         assert not alive, "node 2 did not end on a failure said on its node topic"
         assert procs[1].wait(1) == 0
         assert procs[0].poll() is None
+
+
+def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
+    """Node 2's agent stops reading (SIGSTOP) with its queue full, and the driver
+    shuts down: node 1 still hears ``stopping`` and ``bye``, ends its worker and
+    exits 0 at once. Before, both went as one broadcast, which waited on node 2 and
+    gave up after 1 s: node 1 heard neither and exited 1 at its liveness limit, its
+    clean stop told as a lost leader. Sabotage: no per-node copies in
+    ``DataPath.tell_nodes`` (return after the broadcast) -> node 1 is still running
+    8 s later."""
+    # liveness 10 s: the leader does not lose node 2 (and say "failed", which
+    # reaches node 1 on its own topic) while the shutdown waits on it
+    with leader_and_two_followers(liveness_s=10.0) as (ex, procs, node2):
+        lead = ex._leader
+        topic = node_topic(lead.nodes[2].node_id)
+        node2[0].suspend()
+        try:
+            filled = 0
+            while filled < 2000 and lead.path.send_control(topic, ["filler", bytes(2**18)], wait=False):
+                filled += 1
+            assert filled < 2000, "node 2's queue never filled"
+            ex.shutdown()
+            assert ex.failure.error is None  # a clean stop: "bye", not "failed"
+            assert procs[0].wait(8) == 0
+        finally:
+            node2[0].resume()
 
 
 def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):

@@ -52,6 +52,7 @@ MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more ar
 # a worker queues 64 more replies on its own side first. 16 keeps small messages near
 # ZeroMQ's full rate (measured on loopback: 375,000/s per connection; 1: 85,000/s).
 PULL_RCVHWM = 16
+TELL_RETRY_S = 0.01  # how often tell_nodes tries again the nodes that had no room
 MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
 RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
 RESEND_WAIT_S = 0.02  # a node's queue full this long: the rest waits for its next ask (every 0.5 s)
@@ -388,6 +389,29 @@ class DataPath:
         other nodes still hear the leader. False if none went out, or the socket
         stayed busy for ``timeout``."""
         return self._send_now([TOPIC_HEARTBEAT], obj, timeout, [node_topic(n) for n in node_ids])
+
+    def tell_nodes(self, obj: Any, node_ids: list[str], timeout: float) -> bool:
+        """Send a control message that every node must hear (``stopping``, ``bye``)
+        within ``timeout``: one broadcast, or, while some node's queue is full (a
+        stalled node, on which a broadcast would wait out the timeout), a copy on
+        each node's own topic as soon as that node has room. Whether every node got
+        it."""
+        frames, deadline = codec.encode(obj), deadline_of(timeout)
+        left = [TOPIC_HEARTBEAT]
+        while True:  # (until the deadline)
+            if not self.xpub_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            try:
+                left = [t for t in left if not sent_now(self.bcast.xpub, [t, *frames], "control send")]
+            finally:
+                self.xpub_lock.release()
+            if not left:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if left == [TOPIC_HEARTBEAT]:  # no copy went yet: one per node from now on
+                left = [node_topic(n) for n in node_ids]
+            time.sleep(TELL_RETRY_S)
 
     def _send_now(self, topics: list[bytes], obj: Any, timeout: float,
                   instead: list[bytes] | None = None) -> bool:

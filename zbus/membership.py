@@ -31,7 +31,6 @@ from . import protocol
 from .cluster import (
     PROBE_TOPICS,
     STATUS_TOPIC,
-    TOPIC_HEARTBEAT,
     ClusterSettings,
     any_rank,
     brief,
@@ -343,7 +342,7 @@ class Membership:
         if now >= next_hb or (error is not None and not told):
             # a failed executor says so instead of heartbeating: its nodes free their GPUs
             hb = ["hb", self.path.sent_seq, self.session] if error is None else ["failed", brief(str(error))]
-            ids = [n.node_id for n in list(self.nodes.values())]
+            ids = self._node_ids()
             if self.path.send_beat(hb, ids, timeout=s.heartbeat_s / 2):
                 told = error is not None
             else:
@@ -447,16 +446,19 @@ class Membership:
     def announce_stop(self) -> None:
         """Tell the agents that their workers are about to be stopped, so they do
         not report the exits as failures."""
-        self.path.send_control(TOPIC_HEARTBEAT, ["stopping"], timeout=1.0)
+        self.path.tell_nodes(["stopping"], self._node_ids(), timeout=1.0)
 
     def say_bye(self) -> bool:
         """Tell the nodes the cluster is done (they stop their workers and exit 0);
         whether it was sent. Said as soon as the last call (STOP) is out, so a
         leader killed while its own workers stop leaves no node waiting for it."""
         try:
-            return self.path.send_control(TOPIC_HEARTBEAT, ["bye"], timeout=1.0)
+            return self.path.tell_nodes(["bye"], self._node_ids(), timeout=1.0)
         except zmq.ZMQError:
             return False
+
+    def _node_ids(self) -> list[str]:
+        return [node.node_id for node in list(self.nodes.values())]
 
     def reject_joining(self) -> None:
         """The leader stops before the cluster formed: tell the followers still
