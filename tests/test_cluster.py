@@ -778,6 +778,39 @@ def bare_leader(nnodes: int):
     return Leader(settings, lambda **kw: Broadcaster(0, **kw)), port
 
 
+def test_the_leader_closes_its_xpub_only_once_no_thread_sends_on_it():
+    """A ZeroMQ socket is not thread-safe: closed while another thread is inside a
+    send on it, libzmq may crash. A thread holds ``xpub_lock`` (as a caller's send
+    does) for 0.3 s while ``DataPath.close`` runs: the XPUB stays open until it lets
+    go, then closes. Sabotage: close the XPUB without taking the lock in
+    ``DataPath.close`` -> it is closed while the lock is held."""
+    lead, _ = bare_leader(nnodes=2)
+    held, release = threading.Event(), threading.Event()
+
+    def sender() -> None:
+        with lead.xpub_lock:
+            held.set()
+            release.wait(5)
+
+    threads = [threading.Thread(target=sender, daemon=True),
+               threading.Thread(target=lead.path.close, args=(0.0,), daemon=True)]
+    try:
+        threads[0].start()
+        assert held.wait(5)
+        threads[1].start()
+        time.sleep(0.3)
+        assert not lead.bcast.xpub.closed, "the XPUB was closed while a thread sent on it"
+        release.set()
+        threads[1].join(5)
+        assert lead.bcast.xpub.closed
+    finally:
+        release.set()
+        for t in threads:
+            if t.is_alive():
+                t.join(5)
+        lead.close()
+
+
 def test_a_node_dropped_while_joining_is_told_again_when_it_answers_late():
     """A node welcomed as rank 1 whose answer to the probes comes after the liveness
     limit (a partition) is dropped, and the notice, sent while it could not hear,

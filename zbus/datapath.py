@@ -637,11 +637,18 @@ class DataPath:
 
     def close(self, linger_s: float) -> None:
         """Wake every waiting caller (RingClosed), close the PULL socket once no caller
-        reads it, and the XPUB; ``linger_s`` lets queued messages out."""
+        reads it, and the XPUB once no thread sends on it; ``linger_s`` lets queued
+        messages out."""
         self.abort_receivers()
         locked = self.pull_lock.acquire(timeout=1.0)  # a caller leaves it within a slice
         self._pull_closed = True
         self.pull.close(linger=0)
         if locked:
             self.pull_lock.release()
-        self.bcast.close(linger_s=linger_s)
+        # (a ZeroMQ socket closed while another thread sends on it can crash libzmq)
+        locked = self.xpub_lock.acquire(timeout=1.0)  # a sender lets go within a slice
+        try:
+            self.bcast.close(linger_s=linger_s)
+        finally:
+            if locked:
+                self.xpub_lock.release()
