@@ -394,21 +394,21 @@ class DataPath:
         """Send a control message that every node must hear (``stopping``, ``bye``)
         within ``timeout``: one broadcast, or, while some node's queue is full (a
         stalled node, on which a broadcast would wait out the timeout), a copy on
-        each node's own topic as soon as that node has room. Whether every node got
-        it."""
+        each node's own topic as soon as that node has room. Whether it went to any
+        node (then it is worth lingering on close to let it out)."""
         frames, deadline = codec.encode(obj), deadline_of(timeout)
-        left = [TOPIC_HEARTBEAT]
+        left, went = [TOPIC_HEARTBEAT], False
         while True:  # (until the deadline)
             if not self.xpub_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                return False
+                return went
             try:
+                before = len(left)
                 left = [t for t in left if not sent_now(self.bcast.xpub, [t, *frames], "control send")]
+                went |= len(left) < before
             finally:
                 self.xpub_lock.release()
-            if not left:
-                return True
-            if time.monotonic() >= deadline:
-                return False
+            if not left or time.monotonic() >= deadline:
+                return went
             if left == [TOPIC_HEARTBEAT]:  # no copy went yet: one per node from now on
                 left = [node_topic(n) for n in node_ids]
             time.sleep(TELL_RETRY_S)

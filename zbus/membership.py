@@ -450,7 +450,7 @@ class Membership:
 
     def say_bye(self) -> bool:
         """Tell the nodes the cluster is done (they stop their workers and exit 0);
-        whether it was sent. Said as soon as the last call (STOP) is out, so a
+        whether it went to any node. Said as soon as the last call (STOP) is out, so a
         leader killed while its own workers stop leaves no node waiting for it."""
         try:
             return self.path.tell_nodes(["bye"], self._node_ids(), timeout=1.0)
