@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import TEST_PATH
 
-from zbus import netns
+from zbus import netns, shm
 from zbus.bench import Row, format_table, plot_svg
 
 
@@ -107,6 +107,53 @@ def test_the_pyzmq_baseline_leaves_no_socket_file():
     made, files = last_json_line_of(code, 120)
     assert made and len(files) == 2
     assert not [f for f in files if os.path.exists(f)]
+
+
+def test_a_pyzmq_baseline_cut_short_in_its_start_leaves_no_file_and_no_process():
+    """Ctrl-C while the pyzmq baseline waits for its subscribers (``zbus bench``
+    interrupted at its start): its ipc files are removed and its subscribers
+    ended. Injected: the wait raises KeyboardInterrupt, as Ctrl-C there does.
+    Before, both files stayed in /tmp (nothing sweeps them) and the subscribers
+    ran on until the process exited. Sabotage: no ``self._end()`` on a failed start
+    in ``ZmqBaseline.__init__`` -> 2 files and 2 processes."""
+    code = ("import glob, json, multiprocessing, os\n"
+            "from zbus import baselines\n"
+            "def interrupted(*args):\n"
+            "    raise KeyboardInterrupt\n"
+            "baselines.await_subscribers = interrupted\n"
+            "try:\n"
+            "    baselines.ZmqBaseline(2)\n"
+            "except KeyboardInterrupt:\n"
+            "    pass\n"
+            "print(json.dumps([glob.glob(f'/tmp/zbus-bench-{os.getpid()}-*'),\n"
+            "                  [p.pid for p in multiprocessing.active_children()]]))\n")
+    files, children = last_json_line_of(code, 120)
+    assert files == [] and children == []
+
+
+def test_a_ring_bench_cut_short_twice_leaves_no_ring():
+    """``zbus bench ring`` interrupted, then interrupted again while it waits for
+    its readers to end: its two rings' names are gone all the same. Injected: the
+    baseline's start raises KeyboardInterrupt, then the readers' join does.
+    Before, the second one skipped the rings' close, and their names stayed in
+    /dev/shm until the next zbus start's sweep. Sabotage: no ``shm.unlink`` of the
+    names first in ``bench._end_ring_bench`` -> 2 names left."""
+    code = ("import json, multiprocessing.process as mpp, os\n"
+            "from zbus import bench\n"
+            "def interrupted(*args, **kwargs):\n"
+            "    raise KeyboardInterrupt\n"
+            "bench.ZmqBaseline, join = interrupted, mpp.BaseProcess.join\n"
+            "mpp.BaseProcess.join = interrupted\n"
+            "try:\n"
+            "    bench.bench_ring(1.0)\n"
+            "except KeyboardInterrupt:\n"
+            "    pass\n"
+            "mpp.BaseProcess.join = join\n"
+            "print(json.dumps([n for n in os.listdir('/dev/shm') if f'-{os.getpid()}-' in n]))\n")
+    try:
+        assert last_json_line_of(code, 120) == []
+    finally:
+        shm.sweep_stale()  # (what a failure left, for the next test's check)
 
 
 @pytest.mark.parametrize("baseline", ["pipes", "pyzmq"])

@@ -114,6 +114,16 @@ class ZmqBaseline:
         self.ctx = zmq.Context()
         self.pub, self.pull = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PULL)
         self._files: list[str] = []  # the ipc sockets' files, which closing leaves
+        self.procs: list[Any] = []
+        try:
+            self._start(n, host)
+        except BaseException:  # Ctrl-C or a timeout while the subscribers start
+            self._end()
+            raise
+
+    def _start(self, n: int, host: str | None) -> None:
+        import zmq
+
         if host is None:
             base = f"/tmp/zbus-bench-{os.getpid()}-{id(self)}"
             self._files = [base + "-pub", base + "-pull"]
@@ -139,13 +149,24 @@ class ZmqBaseline:
             self.pull.recv()
 
     def close(self) -> None:
-        self.pub.send(b"stop")
-        for p in self.procs:
-            p.join(10)
-        self.ctx.destroy(linger=0)
+        try:
+            self.pub.send(b"stop")
+            for p in self.procs:
+                p.join(10)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        """Remove the sockets' files (first: a second Ctrl-C below leaves none), kill
+        the subscribers still running, close the sockets."""
         for path in self._files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.ctx.destroy(linger=0)
 
 
 def relay(pub: str, local: str) -> None:

@@ -144,17 +144,16 @@ def bench_ring(seconds: float) -> list[Row]:
 
     geo = RingGeometry.from_env()
     out = RingWriter.create(2, geo)
-    back_handle = create(1, geo)
-    back = RingReader.attach(back_handle, 0)
-    ctx = multiprocessing.get_context("spawn")
-    readers = [ctx.Process(target=_ring_echo, args=(out.handle.to_dict(), i, back_handle.to_dict()),
-                           daemon=True) for i in range(2)]
-    for p in readers:
-        p.start()
-    zb = None
-    rows = []
-    step = partial(_ring_step, out, back)
+    back_handle, back, zb, readers, rows = None, None, None, [], []
     try:
+        back_handle = create(1, geo)
+        back = RingReader.attach(back_handle, 0)
+        ctx = multiprocessing.get_context("spawn")
+        readers = [ctx.Process(target=_ring_echo, args=(out.handle.to_dict(), i, back_handle.to_dict()),
+                               daemon=True) for i in range(2)]
+        for p in readers:
+            p.start()
+        step = partial(_ring_step, out, back)
         zb = ZmqBaseline(2)
         small = [b"x" * 64]
         sa, sb = paired(lambda: step(small), lambda: zb.call(b"x" * 64), seconds)
@@ -167,6 +166,19 @@ def bench_ring(seconds: float) -> list[Row]:
                        "baseline GB/s": size / (r.baseline_median_us / 1e6) / 1e9}
             rows.append(r)
     finally:
+        _end_ring_bench(out, back_handle, back, readers, zb)
+    return rows
+
+
+def _end_ring_bench(out: Any, back_handle: Any, back: Any, readers: list, zb: Any) -> None:
+    """Stop the ring bench's readers and free its rings and its baseline. The rings'
+    names go first: a second Ctrl-C in the waits below leaves none."""
+    from . import shm
+
+    shm.unlink(out.name)
+    if back_handle is not None:
+        shm.unlink(back_handle.name)
+    try:
         try:
             out.send([b"stop"], timeout=RING_STEP_S)
         except (TimeoutError, ZbusError):  # a reader gone: it does not read the stop
@@ -176,14 +188,12 @@ def bench_ring(seconds: float) -> list[Row]:
             if p.is_alive():
                 p.kill()
                 p.join(10)
+    finally:
         out.close()
-        back.close()
-        from . import shm
-
-        shm.unlink(back_handle.name)
+        if back is not None:
+            back.close()
         if zb is not None:
             zb.close()
-    return rows
 
 
 RING_STEP_S = 30.0  # the longest a ring step may take: a reader gone makes it time out
