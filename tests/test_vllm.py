@@ -353,6 +353,12 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
         return NS(parallel_config=pc, model_config=mc, kv_transfer_config=None)
 
     check_remote_config(config(), set())
+    # vLLM's fault tolerance: its commands' instruction may be a pickle, which vLLM loads
+    # (sabotage: no check of enable_fault_tolerance)
+    ft = config()
+    ft.parallel_config.enable_fault_tolerance = True
+    with pytest.raises(ZbusError, match="fault tolerance"):
+        check_remote_config(ft, {"mine", "trust_remote_code"})
     for bad, match in ((dict(worker_cls="os.system"), "worker class"),
                        (dict(worker_extension_cls="evil.Ext"), "extension"),
                        (dict(logits_processors=["evil.lp"]), "logits"),
@@ -423,7 +429,9 @@ def test_a_followers_worker_refuses_calls_that_undo_its_checks(wire):
         worker.wrapper = WorkerWrapperBase(rpc_rank=0, global_rank=0)  # no vLLM worker in it yet
         return worker
 
-    for name in sorted(FOLLOWER_REFUSES):
+    # handle_ft_command: vLLM's run_method loads an instruction that is bytes as a pickle
+    # (sabotage: not in FOLLOWER_REFUSES)
+    for name in sorted(FOLLOWER_REFUSES | {"update_environment_variables", "handle_ft_command"}):
         with pytest.raises(ZbusError, match="refused"):
             resolve_method(worker_on(1), name, False)
     assert callable(resolve_method(worker_on(0), "update_environment_variables", False))

@@ -24,10 +24,13 @@ load_wire_modules()
 # repository's code.
 ALLOW_ENV = "ZBUS_VLLM_ALLOW"
 # vLLM worker methods a follower refuses from the leader: each would undo what
-# ``check_remote_config`` checked (the environment ``allowed`` reads, the configuration)
-# or write files where the leader says. vLLM's engine calls none of them on its own.
+# ``check_remote_config`` checked (the environment ``allowed`` reads, the configuration),
+# write files where the leader says, or run code the leader sends (a fault-tolerance
+# command's instruction may be a pickle, which vLLM's ``run_method`` loads). vLLM's
+# engine calls none of them on its own (the last only with fault tolerance, which a
+# follower refuses).
 FOLLOWER_REFUSES = frozenset({"update_environment_variables", "update_config", "save_sharded_state",
-                              "save_tensorized_model"})
+                              "save_tensorized_model", "handle_ft_command"})
 
 
 class VllmWorker(Worker):
@@ -280,6 +283,9 @@ def check_remote_config(config: Any, allow: set[str]) -> None:
                                 f"does not allow (set {ALLOW_ENV} on this node to allow it)")
 
     pc, mc = config.parallel_config, config.model_config
+    if getattr(pc, "enable_fault_tolerance", False):
+        raise ZbusError("the leader's configuration enables vLLM's fault tolerance, whose commands may "
+                        "carry a pickle to run: a follower node refuses it")
     named("the worker class", pc.worker_cls, default_ok=True)
     named("the worker extension", pc.worker_extension_cls)
     named("logits processors", getattr(mc, "logits_processors", None))
