@@ -28,12 +28,17 @@ from zbus.processes import node_shm_prefix
 from zbus.shm import unlink_prefixed
 
 
-def follower(port: int, *args: str, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
+def follower(port: int, *args: str, nproc: int = 1, env: dict | None = None,
+             first: str = "") -> subprocess.Popen:
+    """``zbus follower`` for the leader on ``port``; ``first``: Python run before it
+    (a setting of the agent's made smaller for a test)."""
     import os
 
     env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
                ZBUS_NPROC_PER_NODE=str(nproc), ZBUS_ALLOW_WORKERS="workers", **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--join-timeout", "60", *args],
+    run = ["-c", f"{first}\nimport sys\nfrom zbus.cli import main\nsys.exit(main(sys.argv[1:]))"] if first \
+        else ["-m", "zbus.cli"]
+    return subprocess.Popen([sys.executable, *run, "follower", "--join-timeout", "60", *args],
                             env=env, stderr=subprocess.PIPE, text=True)
 
 
@@ -1197,6 +1202,49 @@ def test_joins_after_formation_from_a_peer_that_reads_no_answer_do_not_hold_up_h
         assert heard >= 8 and refused >= JOIN_FLOOD  # one heartbeat per 0.2 s
 
 
+def test_a_welcome_to_a_joiner_that_reads_nothing_holds_up_no_heartbeat():
+    """A peer subscribes to its node topic, reads nothing (its queue is full), and
+    sends a valid join: the leader's welcome finds no room and is dropped at once
+    (a real joiner sends its join again every 2 s), so the I/O thread goes on
+    heartbeating. Before, the welcome waited up to 5 s for room on the I/O thread,
+    holding the XPUB's lock too. Sabotage: ``wait=True`` for the welcome in
+    ``Membership._welcome`` -> no heartbeat for 5 s after the join."""
+    from zbus.protocol import PROTOCOL_VERSION
+
+    lead, port = bare_leader(nnodes=2)
+    ctx = zmq.Context()
+    hog, healthy, push = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    try:
+        hog.setsockopt(zmq.RCVHWM, 1)
+        hog.setsockopt(zmq.RCVBUF, 4096)
+        hog.setsockopt(zmq.SUBSCRIBE, node_topic("0a1b"))
+        healthy.setsockopt(zmq.SUBSCRIBE, TOPIC_HEARTBEAT)
+        for sub in (hog, healthy):
+            sub.connect(f"tcp://127.0.0.1:{port}")
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        lead.start()
+        wait_until(lambda: heartbeats_heard(healthy, 0.3) > 0, 20, "a first heartbeat")
+        wait_until(lambda: node_topic("0a1b") in lead.membership._subscribed, 10, "the peer's subscription")
+        filled = 0
+        while filled < 2000 and lead.path.send_control(node_topic("0a1b"), ["filler", bytes(2**16)],
+                                                       wait=False):
+            filled += 1
+        assert filled < 2000, "the peer's queue never filled"
+        push.send_multipart(codec.encode(["join", "0a1b", {
+            "version": PROTOCOL_VERSION, "nproc": 1, "host": "hog", "address": "127.0.0.1", "node_rank": 1,
+            "pid": 1}]))
+        time.sleep(0.3)  # the join read and welcomed (or not)
+        heard = heartbeats_heard(healthy, 3.0)
+        print(f"heartbeats heard in the 3 s after the join: {heard}")
+        assert not lead.membership._joins and not lead.dropped_by  # the join was taken
+        assert heard >= 8  # one per 0.2 s
+    finally:
+        lead.close()
+        for sock in (hog, healthy, push):
+            sock.close(linger=0)
+        ctx.term()
+
+
 JOIN_FLOOD = 60_000  # refusals: more than the peer's queues and the kernel's buffers take
 
 
@@ -1571,6 +1619,33 @@ def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):
         assert ok.returncode == 0
     finally:
         proc.terminate()
+        end_process(proc)
+
+
+def test_the_calls_a_node_holds_after_lost_ones_are_bounded_in_bytes():
+    """Call 2 never reaches node 1 (a reset connection), and 1 MiB calls follow:
+    node 1 holds them until the lost one comes again, at most ``BACKLOG_BYTES``
+    (4 MiB here), then leaves, saying why. Before, only their count was bounded
+    (1024: 64 GiB of 64 MiB weight chunks), and node 1 held all 12 until the
+    leader's answer ended it. Sabotage: no byte count in ``NodeAgent._relay`` ->
+    node 1 exits 0 on the leader's ``failed``, never saying "too many calls held"."""
+    from zbus import protocol
+    from zbus.queues import deadline_of, send_frames
+
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1", first="import zbus.agent\nzbus.agent.BACKLOG_BYTES = 4 << 20")
+    try:
+        log = Lines(proc.stderr)
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            ex.collective_rpc("noop")
+            lead, first = ex._leader, ex._leader.path.sent_seq + 2  # sent_seq + 1 is "lost"
+            with lead.xpub_lock:  # all 12 queued before the leader answers node 1's ask
+                for seq in range(first, first + 12):
+                    send_frames(lead.path.bcast.xpub, [TOPIC_RPC, protocol.call_envelope(seq, "noop", -1, 1),
+                                                       bytes(2**20)], deadline_of(10), "a test call")
+            assert proc.wait(20) == 1
+        wait_until(lambda: log.has("too many calls held"), 5, "node 1 saying why it left")
+    finally:
         end_process(proc)
 
 

@@ -51,7 +51,7 @@ _PLAIN = (str, int, float, bool, type(None), bytes, list, dict, tuple)  # what c
 
 
 BACKLOG_MESSAGES = 1024  # read ahead at most this many messages (and BACKLOG_BYTES)
-BACKLOG_BYTES = 256 * 2**20  # while the ring is full
+BACKLOG_BYTES = 256 * 2**20  # while the ring is full (and calls held after lost ones)
 FULL_SLICE_S = 0.1  # a relay on a full ring reads ahead and heartbeats this often
 READ_AHEAD_S = 0.02  # how long one read-ahead may wait for more from the leader
 RELAYED = object()  # _next's answer for a call the compiled core put in the ring
@@ -483,7 +483,8 @@ class NodeAgent:
         what a reset connection held): ask the leader to send them again on our
         node topic, holding the later calls meanwhile; give up after the limit."""
         now = time.monotonic()
-        self._gap = {"upto": upto, "held": collections.deque(), "until": now + self.liveness_s, "ask": now}
+        self._gap = {"upto": upto, "held": collections.deque(), "bytes": 0, "until": now + self.liveness_s,
+                     "ask": now}
         log.warning("calls %d..%d never arrived (a reset connection?): asking for them again",
                     self._last_seq + 1, upto - 1)
         self._ask_again()
@@ -557,9 +558,11 @@ class NodeAgent:
         if seq is not None and seq != self._last_seq + 1:
             if self._gap is None:
                 self._start_gap(seq)
-            if len(self._gap["held"]) >= BACKLOG_MESSAGES:
+            gap = self._gap  # bounded as the read-ahead is: in count and in bytes
+            if len(gap["held"]) >= BACKLOG_MESSAGES or gap["bytes"] >= BACKLOG_BYTES:
                 raise ZbusError("too many calls held while lost ones are sent again: leaving the cluster")
-            self._gap["held"].append((seq, frames))
+            gap["held"].append((seq, frames))
+            gap["bytes"] += sum(len(f) for f in frames)
             return
         self._write(frames, seq)
         self._release_held()
@@ -568,6 +571,7 @@ class NodeAgent:
         gap = self._gap
         while gap is not None and gap["held"] and gap["held"][0][0] <= self._last_seq + 1:
             seq, frames = gap["held"].popleft()
+            gap["bytes"] -= sum(len(f) for f in frames)
             if seq == self._last_seq + 1:
                 self._write(frames, seq)
         if gap is not None and not gap["held"] and self._last_seq >= gap["upto"] - 1:

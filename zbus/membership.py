@@ -233,7 +233,9 @@ class Membership:
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
             "master_addr": s.master_addr, "liveness_s": s.liveness_s,
             "reply_address": self._reply_address, "max_reply": self.path.max_reply,
-            "session": self.session, **self._welcome_spec}])
+            "session": self.session, **self._welcome_spec}], timeout=1.0, wait=False)
+        # (never waits for room: a joiner that reads nothing would hold up this thread,
+        # and the XPUB's lock, which the welcome may be sent under; it joins again in 2 s)
         if sent:
             self._probing[node_id] = node
         else:  # its next join tries again
