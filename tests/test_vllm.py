@@ -408,35 +408,84 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
         {"kv_connector_module_path": "mine.conn"}, {"kv_connector": "LMCacheConnectorV1"}])), {"mine"})
 
 
-def test_a_followers_worker_refuses_calls_that_undo_its_checks(wire):
-    """A follower checks the leader's configuration once, in ``init_worker``, against
-    what its environment allows: the vLLM worker methods that would change that
-    environment or configuration afterwards (or write files where the leader says)
-    are refused there, not on the leader's node. Before ``init_worker`` an unknown
-    name is an unknown method. Sabotage: no ``FOLLOWER_REFUSES`` check in
-    ``VllmWorker.__getattr__`` (``update_environment_variables`` set
-    ``ZBUS_VLLM_ALLOW`` for the leader); no check for a wrapper without its worker
-    (RecursionError)."""
+class Extension:
+    """A worker extension outside vLLM (one its operator allowed by name)."""
+
+    def reset_model_weights(self):
+        return "reset"
+
+
+def test_a_followers_worker_runs_only_the_methods_vllms_engine_calls_and_allowed_ones(wire):
+    """A follower checks the leader's configuration once, in ``init_worker``; it then
+    runs only the vLLM worker methods vLLM's engine calls (``FOLLOWER_CALLS``) and
+    those of a worker class or extension outside vLLM, which that check let through.
+    Those that would undo the check or run what the leader sends are refused by
+    name, and so is any other vLLM worker method: ``get_model`` (never called by the
+    engine) here. The leader's node runs them all. Before ``init_worker`` an unknown
+    name is an unknown method. Sabotage: no check in ``VllmWorker.__getattr__``
+    (``update_environment_variables`` set ``ZBUS_VLLM_ALLOW`` for the leader; until
+    2026-12-06 only a deny-list: ``elastic_ep_execute`` and ``get_model`` ran); the
+    wrapper's own methods looked up after its worker's (a worker class outside vLLM
+    made ``update_environment_variables`` pass); no check for a wrapper without its
+    worker (RecursionError)."""
+    from vllm.v1.worker.gpu_worker import Worker
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     from zbus.errors import ZbusError
-    from zbus.vllm.worker import FOLLOWER_REFUSES, VllmWorker
+    from zbus.vllm.worker import FOLLOWER_CALLS, FOLLOWER_REFUSES, VllmWorker
     from zbus.worker import resolve_method
 
-    def worker_on(node_rank):
+    class OperatorsWorker(Worker, Extension):  # (a class of this module: outside vLLM)
+        def update_environment_variables(self, envs):  # (the wrapper's own runs, not this)
+            raise AssertionError("not reached")
+
+    def worker_on(node_rank, with_worker=True):
         worker = VllmWorker.__new__(VllmWorker)
         worker.node_rank = node_rank
         worker.wrapper = WorkerWrapperBase(rpc_rank=0, global_rank=0)  # no vLLM worker in it yet
+        if with_worker:  # (as init_worker makes it, without its __init__)
+            worker.wrapper.worker = OperatorsWorker.__new__(OperatorsWorker)
         return worker
 
-    # handle_ft_command: vLLM's run_method loads an instruction that is bytes as a pickle
-    # (sabotage: not in FOLLOWER_REFUSES)
-    for name in sorted(FOLLOWER_REFUSES | {"update_environment_variables", "handle_ft_command"}):
+    assert not FOLLOWER_CALLS & FOLLOWER_REFUSES
+    assert {"update_environment_variables", "handle_ft_command", "elastic_ep_execute"} <= FOLLOWER_REFUSES
+    for name in sorted(FOLLOWER_REFUSES | {"get_model"}):  # (get_model: vLLM's, not called by its engine)
         with pytest.raises(ZbusError, match="refused"):
             resolve_method(worker_on(1), name, False)
-    assert callable(resolve_method(worker_on(0), "update_environment_variables", False))
+        assert callable(resolve_method(worker_on(0), name, False))
+    with pytest.raises(ZbusError, match="refused"):  # (the wrapper's own, before its worker)
+        resolve_method(worker_on(1, with_worker=False), "update_environment_variables", False)
+    assert callable(resolve_method(worker_on(1, with_worker=False), "init_device", False))
+    assert resolve_method(worker_on(1, True), "reset_model_weights", False)() == "reset"
+    assert callable(resolve_method(worker_on(1, True), "check_health", False))
     with pytest.raises(ZbusError, match="unknown method"):
         resolve_method(worker_on(1), "no_such_method", False)
+
+
+def test_every_method_vllms_engine_calls_on_its_workers_is_run_or_refused_by_a_follower():
+    """The methods vLLM's engine names in its ``collective_rpc`` calls, read from
+    vLLM's installed sources, are each in ``FOLLOWER_CALLS`` or ``FOLLOWER_REFUSES``:
+    a vLLM version that calls a new one fails here, not on a follower in service
+    (refused there). Sabotage: ``check_health`` out of ``FOLLOWER_CALLS``."""
+    import ast
+    import pathlib
+
+    import vllm
+
+    from zbus.vllm.worker import FOLLOWER_CALLS, FOLLOWER_REFUSES
+
+    called = set()
+    for path in pathlib.Path(vllm.__file__).parent.rglob("*.py"):
+        text = path.read_text(errors="replace")
+        if "collective_rpc" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "collective_rpc":
+                first = node.args[:1] + [k.value for k in node.keywords if k.arg == "method"]
+                if first and isinstance(first[0], ast.Constant) and isinstance(first[0].value, str):
+                    called.add(first[0].value)
+    assert {"init_device", "execute_model", "check_health", "handle_ft_command"} <= called  # the scan works
+    assert called - FOLLOWER_CALLS - FOLLOWER_REFUSES == set()
 
 
 def test_each_worker_sees_its_nodes_gpus_and_maps_its_peers_as_vllm_does(monkeypatch):

@@ -23,14 +23,34 @@ load_wire_modules()
 # class, a compilation backend), and "trust_remote_code" to let it run a model
 # repository's code.
 ALLOW_ENV = "ZBUS_VLLM_ALLOW"
-# vLLM worker methods a follower refuses from the leader: each would undo what
-# ``check_remote_config`` checked (the environment ``allowed`` reads, the configuration),
-# write files where the leader says, or run code the leader sends (a fault-tolerance
-# command's instruction may be a pickle, which vLLM's ``run_method`` loads). vLLM's
-# engine calls none of them on its own (the last only with fault tolerance, which a
-# follower refuses).
+# The vLLM worker methods a follower runs for the leader: those vLLM's engine calls
+# on its workers (serving, LoRA, sleep, profiling, KV connectors, weight updates from
+# a trainer), less FOLLOWER_REFUSES. A method of a worker class or extension outside
+# vLLM (which ``check_remote_config`` let through by name) runs too; any other
+# public method of vLLM's workers is refused, so a method a new vLLM version adds
+# is not open to the leader until it is read and listed here.
+FOLLOWER_CALLS = frozenset({
+    "add_lora", "adjust_rank", "check_health", "checkpoint_prepare", "checkpoint_restore",
+    "compile_or_warm_up_model", "compute_weight_checksums", "determine_available_memory", "discard",
+    "execute_dummy_batch", "execute_model", "finish_weight_update", "get_encoder_timing_stats",
+    "get_kv_cache_spec", "get_kv_connector_handshake_metadata", "get_model_inspection",
+    "get_supported_kv_cache_layouts", "get_supported_tasks", "init_device", "init_weight_transfer_engine",
+    "init_worker", "initialize_from_config", "list_loras", "load_model", "pin_lora", "profile",
+    "reinitialize_distributed", "release_late_interaction_query_cache", "reload_weights", "remove_lora",
+    "reset_encoder_cache", "reset_mm_cache", "reset_weights", "sample_tokens", "set_kv_cache_layout",
+    "shutdown", "shutdown_weight_transfer_engine", "sleep", "start_draft_weight_update",
+    "start_weight_update", "supports_draft_weight_updates", "synchronize_device", "take_draft_token_ids",
+    "update_max_model_len", "update_weights", "wake_up",
+})
+# Methods vLLM's engine may call that a follower refuses: each would undo what
+# ``check_remote_config`` checked (the environment ``allowed`` reads, the
+# configuration), write files where the leader says, or run what the leader sends
+# (``apply_model`` calls its argument; ``elastic_ep_execute`` calls any attribute of
+# its executor by name; a fault-tolerance command's instruction may be a pickle,
+# which vLLM's ``run_method`` loads, and a follower refuses fault tolerance).
 FOLLOWER_REFUSES = frozenset({"update_environment_variables", "update_config", "save_sharded_state",
-                              "save_tensorized_model", "handle_ft_command"})
+                              "save_tensorized_model", "handle_ft_command", "apply_model",
+                              "elastic_ep_execute"})
 
 
 class VllmWorker(Worker):
@@ -136,12 +156,33 @@ class VllmWorker(Worker):
         wrapper = self.__dict__.get("wrapper")
         if name.startswith("_") or wrapper is None:
             raise AttributeError(name)
-        if name in FOLLOWER_REFUSES and self.node_rank > 0:
-            raise ZbusError(f"method {name!r} refused: a follower node does not let the leader change "
-                            "its environment or configuration, or write its files")
-        if "worker" not in vars(wrapper) and not hasattr(type(wrapper), name):
+        worker = vars(wrapper).get("worker")
+        if worker is None and not hasattr(type(wrapper), name):
             raise AttributeError(name)  # (before init_worker the wrapper's own lookup recurses)
+        if self.node_rank > 0 and name not in FOLLOWER_CALLS:
+            owner = defining_class(wrapper, name)
+            if owner is None:
+                raise AttributeError(name)
+            if not outside_vllm(owner):
+                raise ZbusError(f"method {name!r} refused: a follower node runs only the vLLM worker "
+                                "methods vLLM's engine calls (zbus.vllm.worker.FOLLOWER_CALLS) and those "
+                                "of a worker class or extension its operator allowed")
         return getattr(wrapper, name)
+
+
+def defining_class(wrapper: Any, name: str) -> type | None:
+    """The class that defines the method ``name`` of vLLM's worker ``wrapper``: the
+    wrapper's own (vLLM's) before its worker's, as the wrapper looks it up."""
+    worker = vars(wrapper).get("worker")
+    lineage = type(wrapper).__mro__ + (type(worker).__mro__ if worker is not None else ())
+    return next((cls for cls in lineage if cls is not object and name in vars(cls)), None)
+
+
+def outside_vllm(cls: type | None) -> bool:
+    """Whether ``cls`` is a worker class or extension from outside vLLM, which
+    ``check_remote_config`` let through by name on a follower."""
+    module = getattr(cls, "__module__", None) or "vllm"
+    return module != "vllm" and not module.startswith("vllm.")
 
 
 def process_setup(vllm_config: Any, device: int, rank: int, remote: bool) -> None:
