@@ -21,7 +21,7 @@ import warnings
 
 import psutil
 import pytest
-from conftest import TEST_PATH, describe, end_process, next_line, shm_used, zbus_segments
+from conftest import TEST_PATH, describe, end_process, marked_processes, next_line, shm_used, zbus_segments
 
 from zbus.netns import NetnsCluster, unavailable
 
@@ -792,6 +792,29 @@ def test_an_engine_killed_leaves_no_segment(tmp_path, killed):
                 doomed = [core, *core.children(recursive=True)]
                 core.send_signal(signal.SIGKILL)
             assert psutil.wait_procs(doomed, timeout=15)[1] == [], describe(doomed)
+            assert named_shm() - before == set()
+            assert shm_used() - used < 2**20
+        finally:
+            engine.close()
+
+
+def test_a_start_that_fails_after_the_workers_made_their_queues_leaves_no_segment(tmp_path):
+    """A seed numpy refuses fails each worker's ``init_device`` after vLLM made its
+    TP group's message queue there (24 MiB in /dev/shm): the engine fails to start
+    naming the error, and once its processes are gone nothing it made has a name
+    or holds memory. Sabotage: no ``on_exit(unlink_created_queues)`` in
+    ``VllmWorker.init_worker`` -> the queue's ``psm_*`` name stays (the start never
+    reaches ``unlink_node_shm``)."""
+    before, used = named_shm(), shm_used()
+    with open(tmp_path / "engine.log", "w") as log:
+        engine = Engine(ZBUS, "--tp", "2", "--seed", str(2**32 + 1), log=log)
+        try:
+            assert engine.proc.wait(180) != 0
+            assert "Seed must be between 0 and 2**32 - 1" in engine._tail()
+            assert psutil.wait_procs(marked_processes(), timeout=30)[1] == []
+            deadline = time.monotonic() + 10
+            while named_shm() - before and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert named_shm() - before == set()
             assert shm_used() - used < 2**20
         finally:

@@ -2,7 +2,7 @@
 for the vLLM tests. Prints one JSON line per event.
 
     python vllm_driver.py BACKEND --model DIR --tp N [--pp N] [--tokens N] [--prompts N] [--hold] [--hybrid]
-                                   [--logits-processor MODULE:CLASS]
+                                   [--logits-processor MODULE:CLASS] [--seed N]
 
 ``--hold`` keeps generating until the engine fails (a test kills a worker) and
 reports the error and when it came.
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--hybrid", action="store_true", help="a hybrid model (attention and linear attention)")
     ap.add_argument("--logits-processor", help="module:Class, given to the engine as the class")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", required=True, help="an empty folder: the tiny model is made in it")
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
@@ -48,7 +49,7 @@ def main() -> None:
         module, _, name = a.logits_processor.partition(":")
         extra["logits_processors"] = [getattr(__import__(module), name)]
     started = time.monotonic()
-    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, seed=0, enforce_eager=True,
+    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, seed=a.seed, enforce_eager=True,
               tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp, max_model_len=256,
               distributed_executor_backend=backend, **extra)
     say(event="ready", start_s=round(time.monotonic() - started, 2),

@@ -82,8 +82,11 @@ class VllmWorker(Worker):
         }
         self.wrapper.init_worker(kwargs)
         # by every worker, as any of them may be the one killed; before vLLM's own
-        # atexit hooks, which may wait on a peer gone with the driver
+        # atexit hooks, which may wait on a peer gone with the driver. The queues this
+        # worker makes too: a start that fails after it made them (in init_device) never
+        # reaches unlink_node_shm
         on_exit(functools.partial(unlink_prefixed, os.environ[NODE_SHM_PREFIX_ENV]))
+        on_exit(unlink_created_queues)
 
     def unlink_node_shm(self) -> None:
         """Remove the names of the shared memory vLLM's parallel groups made on this
@@ -92,9 +95,7 @@ class VllmWorker(Worker):
         then no end, a SIGKILL of every process at once included, leaves them in
         /dev/shm. (vLLM's own executor leaves them when its server is stopped.)"""
         unlink_prefixed(os.environ[NODE_SHM_PREFIX_ENV])
-        for buffer in created_queue_buffers():
-            buffer.shared_memory.unlink()  # (forgotten by multiprocessing's tracker too)
-            buffer.is_creator = False  # its __del__ would remove the name again
+        unlink_created_queues()
 
     def load_model(self) -> None:
         """vLLM's ``load_model``, then what vLLM's own executor does next in each
@@ -217,6 +218,17 @@ def process_setup(vllm_config: Any, device: int, rank: int, remote: bool) -> Non
                              process_name=f"Worker_{rank}")
     if os.environ.get(THREADS_ENV) == "shared":
         os.environ[OMP_NUM_THREADS_SET_BY_VLLM] = "1"
+
+
+def unlink_created_queues() -> None:
+    """Remove the names of the message queues this process made (see
+    :func:`created_queue_buffers`); again, or once gone, nothing."""
+    for buffer in created_queue_buffers():
+        buffer.is_creator = False  # its __del__ would remove the name again
+        try:
+            buffer.shared_memory.unlink()  # (forgotten by multiprocessing's tracker too)
+        except FileNotFoundError:
+            pass
 
 
 def created_queue_buffers() -> list:
