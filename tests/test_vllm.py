@@ -462,6 +462,37 @@ def test_a_followers_worker_runs_only_the_methods_vllms_engine_calls_and_allowed
         resolve_method(worker_on(1), "no_such_method", False)
 
 
+@pytest.mark.parametrize("allowed", ["zbus.vllm", "zbus"])
+def test_a_follower_starts_vllm_workers_only_for_a_leader_with_keys(allowed):
+    """vLLM's workers unpickle what rank 0, on the leader's node, sends them through
+    torch.distributed (the set-up of its groups, on every follower): a follower
+    refuses them to a leader without keys whatever ``--allow-worker`` says, and the
+    leader's start fails naming the node and why. Sabotage: no ``KEYED_LEADER_ONLY``
+    check in ``NodeAgent._check_worker`` -> the follower starts the workers (until
+    2026-12-06 ``--allow-worker zbus.vllm``, or ``zbus``, let any leader run code
+    there)."""
+    import zbus
+    from zbus.cluster import free_port_pair
+    from zbus.vllm.worker import VllmWorker
+
+    port = free_port_pair()
+    env = dict(os.environ, **VLLM_ENV, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(port),
+               ZBUS_NPROC_PER_NODE="1")
+    for name in ("ZBUS_ALLOW_WORKERS", "ZBUS_SECRET", "ZBUS_SECRET_FILE", "ZBUS_CURVE_DIR"):
+        env.pop(name, None)
+    proc = psutil.Popen([sys.executable, "-m", "zbus.cli", "follower", "--node-rank", "1", "--join-timeout",
+                         "60", "--allow-worker", allowed], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(zbus.StartupError, match="node 1 .*refused to start the workers.*keys"):
+            with zbus.Executor(VllmWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                               master_port=port, join_timeout=60, startup_timeout=60):
+                pass
+        assert proc.wait(30) == 1
+        assert "torch.distributed" in proc.stderr.read()
+    finally:
+        end_process(proc)
+
+
 def test_every_method_vllms_engine_calls_on_its_workers_is_run_or_refused_by_a_follower():
     """The methods vLLM's engine names in its ``collective_rpc`` calls, read from
     vLLM's installed sources, are each in ``FOLLOWER_CALLS`` or ``FOLLOWER_REFUSES``:
@@ -906,20 +937,21 @@ NETNS = unavailable()
 @pytest.mark.netns
 @pytest.mark.skipif(NETNS is not None, reason=f"no namespaces: {NETNS}")
 def test_tp2_across_two_hosts_gives_the_same_tokens_and_followers_exit(mp_tokens, tmp_path):
-    """TP=2 over two namespace hosts with one worker each: the leader is the
-    engine's process, the other host runs ``zbus follower``. Same greedy tokens;
+    """TP=2 over two namespace hosts with one worker each, keyed by one secret: the
+    leader is the engine's process, the other host runs ``zbus follower``. Same greedy tokens;
     at the engine's shutdown the follower exits and no host keeps a segment or a
     process. Sabotage: one all-reduce group name on both hosts (vLLM's CPU
     shared-memory all-reduce across hosts) hangs the engine's start."""
     with NetnsCluster(2) as c:
         leader, host = c.nodes
-        env = {"ZBUS_NNODES": "2", "ZBUS_MASTER_ADDR": leader.address, "ZBUS_LIVENESS_S": "10",
-               "ZBUS_INSECURE": "1"}  # no keys on a non-loopback address: asked for
+        # keyed: a follower starts vLLM's workers only for a leader with keys
+        secret = {"ZBUS_SECRET": "zbus-test-only-vllm-secret"}
+        env = {"ZBUS_NNODES": "2", "ZBUS_MASTER_ADDR": leader.address, "ZBUS_LIVENESS_S": "10", **secret}
         with open(tmp_path / "follower.log", "w") as flog, open(tmp_path / "engine.log", "w") as log:
             zbus_cli = os.path.join(os.path.dirname(sys.executable), "zbus")
-            follower = host.start([zbus_cli, "follower", "--master-addr",
-                                   leader.address, "--nproc-per-node", "1", "--allow-worker", "zbus.vllm"],
-                                  env=dict(os.environ, **VLLM_ENV), stdout=flog, stderr=flog)
+            follower = host.start([zbus_cli, "follower", "--master-addr", leader.address,
+                                   "--nproc-per-node", "1", "--node-rank", "1"],
+                                  env=dict(os.environ, **VLLM_ENV, **secret), stdout=flog, stderr=flog)
             engine = Engine(ZBUS, "--tp", "2", node=leader, env=env, log=log)
             try:
                 engine.event("ready", timeout=240)

@@ -56,6 +56,11 @@ FULL_SLICE_S = 0.1  # a relay on a full ring reads ahead and heartbeats this oft
 READ_AHEAD_S = 0.02  # how long one read-ahead may wait for more from the leader
 RELAYED = object()  # _next's answer for a call the compiled core put in the ring
 DEFAULT_ALLOWED_WORKERS = ("zbus.demo",)
+# Worker modules that run only for a leader with keys, whatever --allow-worker says:
+# vLLM's workers unpickle what rank 0 (on the leader's node) sends them through
+# torch.distributed (its groups' set-up, pipeline parallel's objects, its message
+# queues across nodes), so an unauthenticated leader could run any code in them.
+KEYED_LEADER_ONLY = ("zbus.vllm",)
 # env= from an unauthenticated leader: only tuning knobs pass (an allow-list), and
 # none whose name suggests a path, plugin, file, proxy or download source, a
 # network address, a key, or the lifting of a safeguard. No VLLM_ variable: too
@@ -339,10 +344,16 @@ class NodeAgent:
 
     def _check_worker(self, worker: Any) -> None:
         """A leader without CurveZMQ keys is not authenticated: it may only start
-        the worker classes this node's operator allowed (imported by name)."""
+        the worker classes this node's operator allowed (imported by name), and
+        none of :data:`KEYED_LEADER_ONLY`."""
         if self.curve is not None:
             return
         module = worker.partition(":")[0] if isinstance(worker, str) else ""
+        if any(module == p or module.startswith(p + ".") for p in KEYED_LEADER_ONLY):
+            raise ZbusError(f"worker class {worker!r} runs only for a leader with keys: its workers "
+                            "unpickle what the leader's rank 0 sends them through torch.distributed, so "
+                            "an unauthenticated leader could run any code on this node (one ZBUS_SECRET "
+                            "on every host, or zbus keygen)")
         if not any(worker == p or module == p or module.startswith(p + ".") for p in self.allowed_workers):
             reason = (f"worker class {worker!r} is not allowed on this node: an unauthenticated "
                       "leader may only start the classes allowed with --allow-worker "

@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "node (ZBUS_ALLOW_IMPORT_CALLS=1); off by default")
     fol.add_argument("--allow-worker", action="append", default=[], metavar="MODULE[:CLASS]",
                      help="a worker class (or module) an unauthenticated leader may start here; "
-                     "repeatable; also ZBUS_ALLOW_WORKERS=a,b (zbus.demo is always allowed; with "
-                     "--curve-dir the authenticated leader may start any)")
+                     "repeatable; also ZBUS_ALLOW_WORKERS=a,b (zbus.demo is always allowed, zbus.vllm never; "
+                     "with keys the authenticated leader may start any)")
     fol.add_argument("--curve-dir", default=None,
                      help="this node's key folder from 'zbus keygen' (ZBUS_CURVE_DIR): "
                      "authenticated, encrypted links")

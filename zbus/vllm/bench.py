@@ -9,7 +9,7 @@ the step less that compute.
     python -m zbus.vllm.bench two  --seconds S --iface IF --master-addr A [--port P]
 
 ``two`` runs on the leader of two hosts whose other host runs ``zbus follower``
-(``--allow-worker zbus.vllm --allow-import-calls``) and vLLM's own headless
+(``--allow-import-calls``, keyed: one ``ZBUS_SECRET`` on both) and vLLM's own headless
 follower (``--nnodes 2 --node-rank 1 --headless``). Prints one JSON row per line.
 """
 
