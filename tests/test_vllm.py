@@ -335,7 +335,9 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
     """Sabotage: no check of what a remote configuration names (worker class,
     extension, remote code; a KV offloading spec module, an EC connector module, a
     custom speculative proposer class, a compilation backend by qualified name,
-    each of which vLLM imports during ``init_device`` or ``load_model``). Before,
+    each of which vLLM imports during ``init_device`` or ``load_model``; a
+    torch.compile option that is text, which inductor puts on its compiler's command
+    line; a compilation cache folder, whose compiled code vLLM loads). Before,
     only the top level of a KV connector's extra configuration was read: a
     ``MultiConnector``'s connectors (each imports its module) passed; now every
     key ending in ``module_path``, at any depth (sabotage: ``module_paths``
@@ -399,11 +401,25 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
             (dict(speculative_config=NS(method="draft_model", model="/d",
                                         draft_model_config=NS(trust_remote_code=True, model="/d"))),
              "remote code of '/d'"),
-            (dict(compilation_config=NS(backend="evil.backend")), "compilation backend")):
+            (dict(compilation_config=NS(backend="evil.backend")), "compilation backend"),
+            # put unquoted on the C++ compiler's command line: "-wrapper /bin/sh,-c,..." ran a
+            # shell in a follower's warm-up before 2026-12-06 (sabotage: no check of the options)
+            (dict(compilation_config=NS(backend="inductor", inductor_compile_config={
+                "cpp.enable_floating_point_contract_flag": "off -wrapper /bin/sh,-c,touch /tmp/x"})),
+             "inductor.cpp.enable_floating_point_contract_flag"),
+            (dict(compilation_config=NS(inductor_compile_config={"cpp.cxx": ["/tmp/evil-cc"]})),
+             "inductor.cpp.cxx"),
+            (dict(compilation_config=NS(cache_dir="/shared/compiled")), "compilation cache folder")):
         with pytest.raises(ZbusError, match=match):
             check_remote_config(with_parts(**parts), set())
     check_remote_config(with_parts(compilation_config=NS(backend="inductor"),
                                    speculative_config=NS(method="ngram", model=None)), set())
+    own = {"dce": True, "size_asserts": False, "compile_threads": 1, "cpp.dynamic_threads": True}  # vLLM's
+    check_remote_config(with_parts(compilation_config=NS(backend="inductor", cache_dir="",
+                                                         inductor_compile_config=own)), set())
+    check_remote_config(with_parts(compilation_config=NS(cache_dir="/shared/compiled",
+                                                         inductor_compile_config={"cpp.cxx": ["/opt/cc"]})),
+                        {"inductor.cpp.cxx", "compile_cache_dir"})
     check_remote_config(with_parts(kv_transfer_config=kv(connectors=[
         {"kv_connector_module_path": "mine.conn"}, {"kv_connector": "LMCacheConnectorV1"}])), {"mine"})
 

@@ -20,8 +20,9 @@ load_wire_modules()
 # Comma-separated names this node allows a leader's configuration to name as code
 # (see check_remote_config: a worker class or extension, logits processors, a KV
 # connector or offloading spec module, an EC connector module, a speculative proposer
-# class, a compilation backend), and "trust_remote_code" to let it run a model
-# repository's code.
+# class, a compilation backend, "inductor.<option>" for a torch.compile option that
+# is no flag or number), "trust_remote_code" to let it run a model repository's
+# code and "compile_cache_dir" to let it name the folder of compiled code vLLM loads.
 ALLOW_ENV = "ZBUS_VLLM_ALLOW"
 # The vLLM worker methods a follower runs for the leader: those vLLM's engine calls
 # on its workers (serving, LoRA, sleep, profiling, KV connectors, weight updates from
@@ -353,9 +354,20 @@ def check_remote_config(config: Any, allow: set[str]) -> None:
     spec = getattr(config, "speculative_config", None)
     if getattr(spec, "method", None) == "custom_class":  # the model is a class vLLM imports
         named("a speculative proposer class", getattr(spec, "model", None) or "?")
-    backend = getattr(getattr(config, "compilation_config", None), "backend", None)
+    compilation = getattr(config, "compilation_config", None)
+    backend = getattr(compilation, "backend", None)
     if backend and (not isinstance(backend, str) or "." in backend):  # a qualified name vLLM imports
         named("a compilation backend", backend)
+    # torch.compile's options: vLLM sets flags and numbers; a text is a compiler, a path
+    # or a flag put unquoted on the compiler's command line (a shell), an object a pass
+    for key, value in (getattr(compilation, "inductor_compile_config", None) or {}).items():
+        if type(value) not in (bool, int, float, type(None)):
+            named("an inductor option that is no flag or number", f"inductor.{key}")
+    if getattr(compilation, "cache_dir", None) and "compile_cache_dir" not in allow:
+        # vLLM loads the compiled code it finds there
+        raise ZbusError(f"the leader's configuration names a compilation cache folder "
+                        f"{str(compilation.cache_dir)[:200]!r}, whose compiled code vLLM would load; "
+                        f"this node refuses (set {ALLOW_ENV}=compile_cache_dir on this node to allow it)")
     for model in (mc, getattr(spec, "draft_model_config", None)):  # (a draft model loads its own)
         if getattr(model, "trust_remote_code", False) and "trust_remote_code" not in allow:
             raise ZbusError(f"the leader's configuration asks to trust remote code of {model.model!r}; "
