@@ -783,6 +783,38 @@ def bare_leader(nnodes: int):
     return Leader(settings, lambda **kw: Broadcaster(0, **kw)), port
 
 
+def test_a_ctrl_c_in_the_leaders_close_still_frees_its_ports():
+    """A second Ctrl-C during a shutdown lands in the leader's close (in the wait
+    of its step after the I/O thread's end, here): every later step still runs, so
+    the leader's ports are free and its I/O thread gone, and the node, told bye,
+    exits 0. Before, the interrupt skipped the closing of its sockets and context:
+    the ports stayed bound for the process's life, and a later shutdown returned
+    at once. Sabotage: ``Leader.close``'s steps one after the other (no
+    ``run_every``) -> the port is still bound."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        ex = leader(port, nnodes=2, liveness_s=5.0, join_timeout=60)
+        assert len(ex.collective_rpc("echo", timeout=30)) == 2
+
+        def ctrl_c() -> None:
+            raise KeyboardInterrupt
+
+        ex._leader.membership.reject_joining = ctrl_c  # (the step after the I/O thread's end)
+        with pytest.raises(KeyboardInterrupt):
+            ex.shutdown()
+        ex.shutdown()  # returns at once
+        assert proc.wait(4) == 0  # within its 5 s liveness limit: it heard the bye
+        assert not [t for t in threading.enumerate() if t.name == "zbus-leader-io"]
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past TIME_WAIT, not a listener)
+                s.bind(("127.0.0.1", p))
+                s.listen()
+    finally:
+        end_process(proc)
+
+
 def test_the_leader_closes_its_xpub_only_once_no_thread_sends_on_it():
     """A ZeroMQ socket is not thread-safe: closed while another thread is inside a
     send on it, libzmq may crash. A thread holds ``xpub_lock`` (as a caller's send
@@ -1576,7 +1608,10 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
     gave up after 1 s: node 1 heard neither and exited 1 at its liveness limit, its
     clean stop told as a lost leader. Sabotage: no per-node copies in
     ``DataPath.tell_nodes`` (return after the broadcast) -> node 1 is still running
-    8 s later."""
+    8 s later. The leader's own worker gets its STOP too, and exits 0 at once:
+    until 2026-12-06 the STOP whose broadcast timed out never reached the local
+    ring, and the worker waited out its 5 s grace to end by SIGTERM (sabotage: no
+    local copy in ``MultiprocExecutor._publish_stop`` -> exit code 143)."""
     # liveness 10 s: the leader does not lose node 2 (and say "failed", which
     # reaches node 1 on its own topic) while the shutdown waits on it
     with leader_and_two_followers(liveness_s=10.0) as (ex, procs, node2):
@@ -1590,6 +1625,7 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
             assert filled < 2000, "node 2's queue never filled"
             ex.shutdown()
             assert ex.failure.error is None  # a clean stop: "bye", not "failed"
+            assert [p.returncode for p in ex._workers.procs] == [0]
             assert procs[0].wait(8) == 0
         finally:
             node2[0].resume()

@@ -834,6 +834,36 @@ def test_an_inproc_callback_on_the_reply_thread_waiting_for_a_later_reply_gets_a
         ex.shutdown()
 
 
+def test_a_worker_death_fails_the_pending_calls_with_no_thread_to_be_had(tmp_path, monkeypatch):
+    """A worker dies while the process can start no thread (a pids limit reached):
+    the thread that would end the other workers at once does not start, and the
+    pending call fails with the death all the same (the shutdown ends them). Before,
+    that start raised before the pending calls were failed: a non-blocking call's
+    ``result()`` waited forever (``result(10)``: TimeoutError). Sabotage: the start
+    before ``_fail_pending`` without ``run_every`` in ``_on_failure``."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    try:
+        mark = tmp_path / "in-call"
+        pending = ex.collective_rpc("sleep_marked", args=(str(mark), 30), non_block=True)
+        wait_until(lambda: os.path.exists(f"{mark}.1"), 30, "rank 1 inside the call")
+
+        class NoThreadToBeHad(threading.Thread):
+            def start(self) -> None:
+                if self.name == "zbus-end-workers":
+                    raise RuntimeError("can't start new thread")
+                super().start()
+
+        monkeypatch.setattr(threading, "Thread", NoThreadToBeHad)
+        ex._workers.procs[1].send_signal(signal.SIGKILL)
+        with pytest.raises(zbus.WorkerDiedError):
+            pending.result(timeout=10)
+        monkeypatch.undo()
+    finally:
+        monkeypatch.undo()
+        ex.shutdown()
+    assert not ex._workers.alive()
+
+
 def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
     """Rank 1 is SIGKILLed once it is inside a 30 s call: the pending calls fail
     with ``WorkerDiedError`` within 1 s, later ones at once, and the failure
@@ -1765,7 +1795,7 @@ def test_a_call_forgotten_while_the_completer_reads_it_gives_its_number_to_the_n
         assert ex.collective_rpc("rank_value", args=(3,), timeout=10) == [30, 31]
 
 
-@pytest.mark.parametrize("where", ["waiting for the workers", "waiting to send"])
+@pytest.mark.parametrize("where", ["waiting for the workers", "waiting to send", "twice"])
 def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_the_rings(tmp_path, where):
     """Ctrl-C while the shutdown waits for a worker stuck in a call (deaf to
     SIGTERM), or for the send lock a caller holds: the workers are killed at once,
@@ -1775,7 +1805,10 @@ def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_t
     the wait: the workers ran on, the pending future never completed, the rings
     stayed mapped. Sabotage: run the shutdown's steps one after the other again
     (no ``finally``) in ``MultiprocExecutor._shut_down_once``, or begin its ``try``
-    after the wait to send -> the future is not done."""
+    after the wait to send -> the future is not done. ``[twice]``: a second Ctrl-C
+    lands in the kill's wait that follows the first; the steps after it still run
+    (before: they did not; sabotage: ``_tear_down``'s steps one after the other,
+    no ``run_every``)."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     pids = [p["pid"] for p in ex.collective_rpc("whoami", timeout=30)]
     marker = str(tmp_path / "in")
@@ -1788,6 +1821,14 @@ def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_t
                                                   ex._send_lock.release()))
         holder.start()
         wait_until(lambda: ex._send_lock._owner == holder.ident, 10, "the send lock held")
+    if where == "twice":
+        kill = ex._workers.kill
+
+        def kill_then_ctrl_c() -> None:
+            kill()
+            raise KeyboardInterrupt
+
+        ex._workers.kill = kill_then_ctrl_c
     try:
         seconds_to_ctrl_c(ex.shutdown, 0.5 if holder else 1.0)  # (the workers: 5 s to end)
     finally:

@@ -34,7 +34,7 @@ from .errors import (
     WorkerDiedError,
     ZbusError,
 )
-from .failure import Failure, again, raise_if_callers
+from .failure import Failure, again, raise_if_callers, run_every
 from .leader import Leader
 from .metrics import Metrics, serve_prometheus
 from .processes import LocalWorkers, with_gloo_ifname
@@ -959,11 +959,14 @@ class MultiprocExecutor(Executor):
         # End this node's workers now, as the follower nodes end theirs on the
         # leader's "failed": one stuck in a collective with a dead peer would spin
         # until shutdown. (A thread: this may run in the caller's or the watcher's.)
+        # The pending calls fail whatever that start raises (no thread to be had).
+        run_every(self._end_workers_soon, lambda: self._fail_pending(error),
+                  self._run_completions)  # last: the futures' callbacks run here
+
+    def _end_workers_soon(self) -> None:
         if self._workers is not None:
             threading.Thread(target=self._workers.stop, kwargs={"grace": FAILED_GRACE_S},
                              name="zbus-end-workers", daemon=True).start()
-        self._fail_pending(error)
-        self._run_completions()  # last: the futures' callbacks run here
 
     # --- calls ---------------------------------------------------------------------
 
@@ -1221,21 +1224,31 @@ class MultiprocExecutor(Executor):
             self._stop_workers(sending)
             stopped = True
         finally:
-            try:
-                if not stopped and self._workers is not None:  # cut short before they were asked
-                    self._workers.kill()
-                    self._workers.close()
-                self._wake_callers()
-                receiving = own_recv or self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
-                try:
-                    self._free()
-                finally:
-                    if receiving and not own_recv:
-                        self._recv_lock.release()
-            finally:
-                if sending and not own_send:
-                    self._send_lock.release()
-                self._run_completions()  # the pending calls' futures fail now, every step done
+            self._tear_down(unasked=not stopped, own_recv=own_recv, release_send=sending and not own_send)
+
+    def _tear_down(self, unasked: bool, own_recv: bool, release_send: bool) -> None:
+        """What a shutdown does once its workers were asked to stop (or it was cut
+        short before): every step runs, whatever cuts one short (a second Ctrl-C in
+        the kill's wait, say), and the pending calls' futures fail last."""
+        workers = self._workers if unasked else None
+        receiving = own_recv
+
+        def end_unasked() -> None:
+            if workers is not None:
+                run_every(workers.kill, workers.close)
+
+        def take_receiving() -> None:
+            nonlocal receiving
+            receiving = own_recv or self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
+
+        def release_locks() -> None:
+            if receiving and not own_recv:
+                self._recv_lock.release()
+            if release_send:
+                self._send_lock.release()
+
+        run_every(end_unasked, self._wake_callers, take_receiving, self._free, release_locks,
+                  self._run_completions)
 
     def _fail_pending(self, error: Exception) -> None:
         """Settle every pending call with ``error``; the caller then completes their
@@ -1260,7 +1273,7 @@ class MultiprocExecutor(Executor):
             try:
                 stop = codec.encode([protocol.STOP])
                 if self.failure.error is None:
-                    self._publish(stop, deadline_of(1.0), [False])
+                    self._publish_stop(stop)
                 elif self._leader is not None and not self._leader.try_publish_to_nodes(stop, 1.0):
                     log.warning("STOP not sent to the nodes: they end on the leader's 'failed'")
             except (TimeoutError, RingClosed, Cancelled):
@@ -1270,6 +1283,17 @@ class MultiprocExecutor(Executor):
         for rx in self._receivers[:self.nproc_per_node]:  # no reply is read from now on: a worker
             rx.abort()  # stuck writing one (its call timed out, its ring full) ends instead of waiting
         workers.stop(grace=5.0 if self.failure.error is None else 0.5)
+
+    def _publish_stop(self, stop: list) -> None:
+        """STOP to every rank; to the local ones still when a node takes nothing (it
+        hears the leader's bye, sent to each node on its own): they end cleanly now,
+        not by SIGTERM once their grace is over."""
+        try:
+            self._publish(stop, deadline_of(1.0), [False])
+        except SendTimeout as e:
+            if e.queued or self._bcast.ring is None:
+                raise
+            self._bcast.ring.send(stop, 1.0, self.failure.cancel)
 
     def _wake_callers(self) -> None:
         """Fail the pending calls and wake every blocked wait: a send is cancelled,

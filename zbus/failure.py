@@ -97,3 +97,17 @@ def raise_if_callers(escaped: BaseException | None, what: str) -> None:
     if not threading.current_thread().name.startswith("zbus-"):
         raise escaped
     log.error("%s raised %r in %s: ignored", what, escaped, threading.current_thread().name)
+
+
+def run_every(*steps: Callable[[], object]) -> None:
+    """Run every step of a teardown, whatever cuts one short (a second Ctrl-C in
+    one's wait, an error), then raise the first exception one raised: the steps
+    after a wait free what nothing else would."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # noqa: BLE001 - the other steps still run
+            first = first or e
+    if first is not None:
+        raise first

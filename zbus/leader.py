@@ -18,7 +18,7 @@ import zmq
 from .cluster import ClusterSettings, check_exposure, max_reply, resolve_ip
 from .curve import LeaderCurve, describe
 from .datapath import PULL_RCVHWM, DataPath
-from .failure import Failure
+from .failure import Failure, run_every
 from .membership import Membership
 from .metrics import Metrics
 from .queues import Broadcaster, bind, bracket
@@ -134,11 +134,23 @@ class Leader:
         self.path.abort_receivers()
 
     def close(self) -> None:
-        """Say bye to the nodes (best effort, bounded) and close everything."""
-        self.membership.stop()
-        self.membership.reject_joining()
-        bye = self.membership.say_bye()
-        self.path.close(linger_s=1.0 if bye else 0.0)
-        if self.curve is not None:
-            self.curve.close()
-        self.ctx.term()
+        """Say bye to the nodes (best effort, bounded) and close everything; every
+        step runs whatever cuts one short (a second Ctrl-C in a shutdown)."""
+        bye = closed = False
+
+        def say_bye() -> None:
+            nonlocal bye
+            bye = self.membership.say_bye()
+
+        def close_sockets() -> None:
+            nonlocal closed
+            self.membership.stop()  # (again: a stop cut short left the I/O thread on them)
+            self.path.close(linger_s=1.0 if bye else 0.0)
+            closed = True
+
+        def term() -> None:
+            if closed:  # (term waits for every socket of the context to close)
+                self.ctx.term()
+
+        run_every(self.membership.stop, self.membership.reject_joining, say_bye, close_sockets,
+                  self.curve.close if self.curve is not None else lambda: None, term)
