@@ -1806,7 +1806,7 @@ def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_t
     stayed mapped. Sabotage: run the shutdown's steps one after the other again
     (no ``finally``) in ``MultiprocExecutor._shut_down_once``, or begin its ``try``
     after the wait to send -> the future is not done. ``[twice]``: a second Ctrl-C
-    lands in the kill's wait that follows the first; the steps after it still run
+    raised as the kill that follows the first returns; the steps after it still run
     (before: they did not; sabotage: ``_tear_down``'s steps one after the other,
     no ``run_every``)."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)

@@ -6,6 +6,7 @@ they are skipped, with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -409,12 +410,16 @@ def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
              "inductor.cpp.enable_floating_point_contract_flag"),
             (dict(compilation_config=NS(inductor_compile_config={"cpp.cxx": ["/tmp/evil-cc"]})),
              "inductor.cpp.cxx"),
+            # inductor would load compiled code from a cache server
+            (dict(compilation_config=NS(inductor_compile_config={"fx_graph_remote_cache": True})),
+             "inductor.fx_graph_remote_cache"),
             (dict(compilation_config=NS(cache_dir="/shared/compiled")), "compilation cache folder")):
         with pytest.raises(ZbusError, match=match):
             check_remote_config(with_parts(**parts), set())
     check_remote_config(with_parts(compilation_config=NS(backend="inductor"),
                                    speculative_config=NS(method="ngram", model=None)), set())
-    own = {"dce": True, "size_asserts": False, "compile_threads": 1, "cpp.dynamic_threads": True}  # vLLM's
+    own = {"dce": True, "size_asserts": False, "compile_threads": 1, "cpp.dynamic_threads": True,  # vLLM's
+           "fx_graph_remote_cache": False}
     check_remote_config(with_parts(compilation_config=NS(backend="inductor", cache_dir="",
                                                          inductor_compile_config=own)), set())
     check_remote_config(with_parts(compilation_config=NS(cache_dir="/shared/compiled",
@@ -443,7 +448,8 @@ def test_a_followers_worker_runs_only_the_methods_vllms_engine_calls_and_allowed
     2026-12-06 only a deny-list: ``elastic_ep_execute`` and ``get_model`` ran); the
     wrapper's own methods looked up after its worker's (a worker class outside vLLM
     made ``update_environment_variables`` pass); no check for a wrapper without its
-    worker (RecursionError)."""
+    worker (RecursionError); no ``FOLLOWER_REFUSES`` check before the defining
+    class's (an allowed class's own ``apply_model`` ran)."""
     from vllm.v1.worker.gpu_worker import Worker
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
@@ -454,6 +460,9 @@ def test_a_followers_worker_runs_only_the_methods_vllms_engine_calls_and_allowed
     class OperatorsWorker(Worker, Extension):  # (a class of this module: outside vLLM)
         def update_environment_variables(self, envs):  # (the wrapper's own runs, not this)
             raise AssertionError("not reached")
+
+        def apply_model(self, fn):  # an allowed class's own: refused by name all the same
+            return super().apply_model(fn)
 
     def worker_on(node_rank, with_worker=True):
         worker = VllmWorker.__new__(VllmWorker)
@@ -849,9 +858,9 @@ def test_a_start_that_fails_after_the_workers_made_their_queues_leaves_no_segmen
     """A seed numpy refuses fails each worker's ``init_device`` after vLLM made its
     TP group's message queue there (24 MiB in /dev/shm): the engine fails to start
     naming the error, and once its processes are gone nothing it made has a name
-    or holds memory. Sabotage: no ``on_exit(unlink_created_queues)`` in
-    ``VllmWorker.init_worker`` -> the queue's ``psm_*`` name stays (the start never
-    reaches ``unlink_node_shm``)."""
+    or holds memory, and multiprocessing's resource tracker counts no leak.
+    Sabotage: no ``name_unnamed_segments`` in ``VllmWorker.__init__`` -> the
+    queue's ``psm_*`` name stays (the start never reaches ``unlink_node_shm``)."""
     before, used = named_shm(), shm_used()
     with open(tmp_path / "engine.log", "w") as log:
         engine = Engine(ZBUS, "--tp", "2", "--seed", str(2**32 + 1), log=log)
@@ -859,6 +868,7 @@ def test_a_start_that_fails_after_the_workers_made_their_queues_leaves_no_segmen
             assert engine.proc.wait(180) != 0
             assert "Seed must be between 0 and 2**32 - 1" in engine._tail()
             assert psutil.wait_procs(marked_processes(), timeout=30)[1] == []
+            assert "leaked shared_memory" not in engine._tail()
             deadline = time.monotonic() + 10
             while named_shm() - before and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -866,6 +876,50 @@ def test_a_start_that_fails_after_the_workers_made_their_queues_leaves_no_segmen
             assert shm_used() - used < 2**20
         finally:
             engine.close()
+
+
+SEGMENT_SCRIPT = r"""
+import os, sys, time
+os.environ["ZBUS_NODE_SHM_PREFIX"] = sys.argv[1]
+from zbus.vllm.worker import VllmWorker
+VllmWorker()  # as a worker process makes it
+from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
+buffer = ShmRingBuffer(1, 4096, 2)  # a message queue's ring, as vLLM's groups make them
+print(buffer.shared_memory.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_segment_a_vllm_worker_makes_without_a_name_goes_with_its_node(tmp_path):
+    """vLLM makes its message queues' segments under multiprocessing's random names;
+    in a zbus worker they carry the node's prefix, so a SIGKILL of the worker's
+    process group during start-up (no exit hook runs, and multiprocessing's
+    resource tracker dies with it) leaves them to ``unlink_prefixed``, which every
+    end of a node's workers runs. Sabotage: no ``name_unnamed_segments`` in
+    ``VllmWorker.__init__`` -> a ``psm_`` name that outlives everything."""
+    from zbus.processes import NODE_SHM_PREFIX_ENV, node_shm_prefix
+    from zbus.shm import unlink_prefixed
+
+    assert NODE_SHM_PREFIX_ENV == "ZBUS_NODE_SHM_PREFIX"
+    prefix = node_shm_prefix(65001, 3)
+    before = named_shm()
+    proc = psutil.Popen([sys.executable, "-c", SEGMENT_SCRIPT, prefix], env=dict(os.environ, **VLLM_ENV),
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    name = ""
+    try:
+        name = next_line(proc, time.monotonic() + 120).strip().lstrip("/")
+        assert name in named_shm() - before
+        assert name.startswith(prefix), name
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker and its resource tracker
+        proc.wait(10)
+        unlink_prefixed(prefix)  # as the node's workers' end does
+        assert named_shm() - before == set()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        end_process(proc)
+        if name and os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
 
 
 def test_a_logits_processor_given_as_a_class_reaches_the_workers(mp_tokens, tmp_path):

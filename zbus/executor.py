@@ -1241,14 +1241,16 @@ class MultiprocExecutor(Executor):
             nonlocal receiving
             receiving = own_recv or self._recv_lock.acquire(timeout=5.0)  # woken callers leave at once
 
-        def release_locks() -> None:
+        def release_receiving() -> None:
             if receiving and not own_recv:
                 self._recv_lock.release()
+
+        def release_sending() -> None:
             if release_send:
                 self._send_lock.release()
 
-        run_every(end_unasked, self._wake_callers, take_receiving, self._free, release_locks,
-                  self._run_completions)
+        run_every(end_unasked, self._wake_callers, take_receiving, self._free, release_receiving,
+                  release_sending, self._run_completions)
 
     def _fail_pending(self, error: Exception) -> None:
         """Settle every pending call with ``error``; the caller then completes their

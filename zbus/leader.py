@@ -136,21 +136,27 @@ class Leader:
     def close(self) -> None:
         """Say bye to the nodes (best effort, bounded) and close everything; every
         step runs whatever cuts one short (a second Ctrl-C in a shutdown)."""
-        bye = closed = False
+        bye = False
+        closed: list[str] = []  # each step that closed sockets of the context
 
-        def say_bye() -> None:
+        def tell_nodes() -> None:
             nonlocal bye
+            self.membership.stop()  # (again, each step: a stop cut short leaves the I/O thread on)
+            self.membership.reject_joining()
             bye = self.membership.say_bye()
 
         def close_sockets() -> None:
-            nonlocal closed
-            self.membership.stop()  # (again: a stop cut short left the I/O thread on them)
+            self.membership.stop()
             self.path.close(linger_s=1.0 if bye else 0.0)
-            closed = True
+            closed.append("path")
+
+        def close_curve() -> None:
+            if self.curve is not None:
+                self.curve.close()
+            closed.append("curve")
 
         def term() -> None:
-            if closed:  # (term waits for every socket of the context to close)
+            if closed == ["path", "curve"]:  # (term waits for every socket of the context)
                 self.ctx.term()
 
-        run_every(self.membership.stop, self.membership.reject_joining, say_bye, close_sockets,
-                  self.curve.close if self.curve is not None else lambda: None, term)
+        run_every(self.membership.stop, tell_nodes, close_sockets, close_curve, term)

@@ -62,6 +62,7 @@ class VllmWorker(Worker):
 
         self.wrapper = WorkerWrapperBase(rpc_rank=self.rank, global_rank=self.rank)
         self._outputs: concurrent.futures.ThreadPoolExecutor | None = None
+        name_unnamed_segments(os.environ[NODE_SHM_PREFIX_ENV])
 
     def rpc_self(self) -> Any:
         return self.wrapper  # what vLLM's own executor hands a function it calls
@@ -83,11 +84,10 @@ class VllmWorker(Worker):
         }
         self.wrapper.init_worker(kwargs)
         # by every worker, as any of them may be the one killed; before vLLM's own
-        # atexit hooks, which may wait on a peer gone with the driver. The queues this
-        # worker makes too: a start that fails after it made them (in init_device) never
-        # reaches unlink_node_shm
+        # atexit hooks, which may wait on a peer gone with the driver. (The message
+        # queues' names carry the prefix too: a start that fails after init_device made
+        # them never reaches unlink_node_shm.)
         on_exit(functools.partial(unlink_prefixed, os.environ[NODE_SHM_PREFIX_ENV]))
-        on_exit(unlink_created_queues)
 
     def unlink_node_shm(self) -> None:
         """Remove the names of the shared memory vLLM's parallel groups made on this
@@ -95,8 +95,8 @@ class VllmWorker(Worker):
         group) once every rank has mapped them (``init_device`` returned on all):
         then no end, a SIGKILL of every process at once included, leaves them in
         /dev/shm. (vLLM's own executor leaves them when its server is stopped.)"""
+        unlink_created_queues()  # (first: multiprocessing's tracker forgets them)
         unlink_prefixed(os.environ[NODE_SHM_PREFIX_ENV])
-        unlink_created_queues()
 
     def load_model(self) -> None:
         """vLLM's ``load_model``, then what vLLM's own executor does next in each
@@ -161,6 +161,9 @@ class VllmWorker(Worker):
         worker = vars(wrapper).get("worker")
         if worker is None and not hasattr(type(wrapper), name):
             raise AttributeError(name)  # (before init_worker the wrapper's own lookup recurses)
+        if self.node_rank > 0 and name in FOLLOWER_REFUSES:  # (whoever defines it)
+            raise ZbusError(f"method {name!r} refused: a follower node does not let the leader change "
+                            "its environment or configuration, write its files or run what it sends")
         if self.node_rank > 0 and name not in FOLLOWER_CALLS:
             owner = defining_class(wrapper, name)
             if owner is None:
@@ -221,15 +224,39 @@ def process_setup(vllm_config: Any, device: int, rank: int, remote: bool) -> Non
         os.environ[OMP_NUM_THREADS_SET_BY_VLLM] = "1"
 
 
+def name_unnamed_segments(prefix: str) -> None:
+    """Give the shared memory this process makes without a name (multiprocessing's
+    random ``psm_*``: vLLM's message queues, its same-node probe, its object
+    stores) the node's ``prefix``, so that every end of the node's workers removes
+    it with the rest (``unlink_prefixed``), a SIGKILL during start-up included:
+    then no ``atexit`` or ``on_exit`` hook runs, and the group kill takes
+    multiprocessing's resource tracker with the worker."""
+    from multiprocessing import shared_memory
+
+    make = getattr(shared_memory, "_make_filename", None)  # (CPython's, 3.8 on)
+    if make is None or getattr(make, "zbus_prefix", None) == prefix:
+        return
+
+    def prefixed() -> str:
+        return "/" + prefix + make().lstrip("/")
+
+    prefixed.zbus_prefix = prefix  # type: ignore[attr-defined]
+    shared_memory._make_filename = prefixed
+
+
 def unlink_created_queues() -> None:
     """Remove the names of the message queues this process made (see
-    :func:`created_queue_buffers`); again, or once gone, nothing."""
+    :func:`created_queue_buffers`), and have multiprocessing's resource tracker
+    forget them, even where another worker of the node removed the name first
+    (``unlink_prefixed``): else the tracker warns of a leak at exit."""
+    from multiprocessing import resource_tracker
+
     for buffer in created_queue_buffers():
         buffer.is_creator = False  # its __del__ would remove the name again
         try:
-            buffer.shared_memory.unlink()  # (forgotten by multiprocessing's tracker too)
+            buffer.shared_memory.unlink()  # (which makes the tracker forget it)
         except FileNotFoundError:
-            pass
+            resource_tracker.unregister("/" + buffer.shared_memory.name, "shared_memory")
 
 
 def created_queue_buffers() -> list:
@@ -360,9 +387,11 @@ def check_remote_config(config: Any, allow: set[str]) -> None:
         named("a compilation backend", backend)
     # torch.compile's options: vLLM sets flags and numbers; a text is a compiler, a path
     # or a flag put unquoted on the compiler's command line (a shell), an object a pass
+    # (a remote cache's flag: inductor would load compiled code from a cache server)
     for key, value in (getattr(compilation, "inductor_compile_config", None) or {}).items():
-        if type(value) not in (bool, int, float, type(None)):
-            named("an inductor option that is no flag or number", f"inductor.{key}")
+        if type(value) not in (bool, int, float, type(None)) or ("remote" in str(key) and value):
+            named("an inductor option that is no flag or number, or turns on a remote cache",
+                  f"inductor.{key}")
     if getattr(compilation, "cache_dir", None) and "compile_cache_dir" not in allow:
         # vLLM loads the compiled code it finds there
         raise ZbusError(f"the leader's configuration names a compilation cache folder "
