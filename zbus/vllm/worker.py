@@ -62,7 +62,8 @@ class VllmWorker(Worker):
 
         self.wrapper = WorkerWrapperBase(rpc_rank=self.rank, global_rank=self.rank)
         self._outputs: concurrent.futures.ThreadPoolExecutor | None = None
-        name_unnamed_segments(os.environ[NODE_SHM_PREFIX_ENV])
+        if NODE_SHM_PREFIX_ENV in os.environ:  # (a zbus worker process)
+            name_unnamed_segments(os.environ[NODE_SHM_PREFIX_ENV])
 
     def rpc_self(self) -> Any:
         return self.wrapper  # what vLLM's own executor hands a function it calls
@@ -95,7 +96,7 @@ class VllmWorker(Worker):
         group) once every rank has mapped them (``init_device`` returned on all):
         then no end, a SIGKILL of every process at once included, leaves them in
         /dev/shm. (vLLM's own executor leaves them when its server is stopped.)"""
-        unlink_created_queues()  # (first: multiprocessing's tracker forgets them)
+        unlink_created_queues()  # (and multiprocessing's tracker forgets them)
         unlink_prefixed(os.environ[NODE_SHM_PREFIX_ENV])
 
     def load_model(self) -> None:
@@ -183,11 +184,10 @@ def defining_class(wrapper: Any, name: str) -> type | None:
     return next((cls for cls in lineage if cls is not object and name in vars(cls)), None)
 
 
-def outside_vllm(cls: type | None) -> bool:
+def outside_vllm(cls: type) -> bool:
     """Whether ``cls`` is a worker class or extension from outside vLLM, which
     ``check_remote_config`` let through by name on a follower."""
-    module = getattr(cls, "__module__", None) or "vllm"
-    return module != "vllm" and not module.startswith("vllm.")
+    return cls.__module__ != "vllm" and not cls.__module__.startswith("vllm.")
 
 
 def process_setup(vllm_config: Any, device: int, rank: int, remote: bool) -> None:
@@ -391,7 +391,7 @@ def check_remote_config(config: Any, allow: set[str]) -> None:
     for key, value in (getattr(compilation, "inductor_compile_config", None) or {}).items():
         if type(value) not in (bool, int, float, type(None)) or ("remote" in str(key) and value):
             named("an inductor option that is no flag or number, or turns on a remote cache",
-                  f"inductor.{key}")
+                  f"inductor.{str(key)[:200]}")
     if getattr(compilation, "cache_dir", None) and "compile_cache_dir" not in allow:
         # vLLM loads the compiled code it finds there
         raise ZbusError(f"the leader's configuration names a compilation cache folder "
