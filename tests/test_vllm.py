@@ -854,6 +854,36 @@ def test_an_engine_killed_leaves_no_segment(tmp_path, killed):
             engine.close()
 
 
+BASELINE_SCRIPT = r"""
+import os
+from zbus.baselines import VllmBaseline
+baseline = VllmBaseline(2)
+try:
+    baseline.call()
+finally:
+    baseline.close()
+print("ok" if not [p for p in baseline.procs if p.is_alive()] else "alive", os.environ["VLLM_RPC_BASE_PATH"])
+"""
+
+
+def test_the_vllm_baseline_of_zbus_bench_leaves_no_socket_file():
+    """vLLM's message queues bind their sockets as files in ``VLLM_RPC_BASE_PATH``
+    (the temp folder by default) and leave them: ``zbus bench``'s vLLM baseline keeps
+    them in a folder of its own, removed with it. Sabotage: no folder of its own in
+    ``VllmBaseline`` -> the 6 files of one run (a broadcast queue and two response
+    queues, two sockets each) stay where ``VLLM_RPC_BASE_PATH`` says (before
+    2026-12-06, in /tmp after every ``zbus bench compare``)."""
+    folder = os.environ["VLLM_RPC_BASE_PATH"]  # (this module's, from rpc_folder)
+    before, temp = set(os.listdir(folder)), set(os.listdir(tempfile.gettempdir()))
+    # (in a process of its own: multiprocessing's resource tracker ends with it)
+    run = subprocess.run([sys.executable, "-c", BASELINE_SCRIPT], env=dict(os.environ, **VLLM_ENV),
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["ok", folder]  # the variable as it was, no worker alive
+    assert set(os.listdir(folder)) == before
+    assert set(os.listdir(tempfile.gettempdir())) - temp == set()
+
+
 def test_a_start_that_fails_after_the_workers_made_their_queues_leaves_no_segment(tmp_path):
     """A seed numpy refuses fails each worker's ``init_device`` after vLLM made its
     TP group's message queue there (24 MiB in /dev/shm): the engine fails to start

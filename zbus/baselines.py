@@ -12,12 +12,15 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
 from .processes import die_with_parent
 
 VLLM_QUEUE = "vllm.distributed.device_communicators.shm_broadcast"
+RPC_PATH_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM's message queues bind their sockets
 REPLY_WAIT_S = 30.0  # the longest a baseline waits for a reply: a worker gone (OOM) ends the bench
 
 
@@ -242,6 +245,25 @@ class VllmBaseline:
     response queue per worker (its defaults), the reply from worker 0."""
 
     def __init__(self, n: int):
+        # vLLM binds each queue's sockets as files in VLLM_RPC_BASE_PATH and leaves them
+        # there: here in a folder of this baseline's (its workers inherit it), removed
+        # with it
+        self._folder = tempfile.mkdtemp(prefix="zbus-bench-vllm-")
+        self.procs: list[Any] = []
+        previous = os.environ.get(RPC_PATH_ENV)
+        os.environ[RPC_PATH_ENV] = self._folder
+        try:
+            self._start(n)
+        except BaseException:  # Ctrl-C or a timeout while the workers start
+            self._end()
+            raise
+        finally:
+            if previous is None:
+                os.environ.pop(RPC_PATH_ENV, None)
+            else:
+                os.environ[RPC_PATH_ENV] = previous
+
+    def _start(self, n: int) -> None:
         import importlib
 
         mq = importlib.import_module(VLLM_QUEUE).MessageQueue
@@ -269,8 +291,16 @@ class VllmBaseline:
         assert status == "ok"
 
     def close(self) -> None:
-        self.bcast.enqueue(("stop", (), {}, None), timeout=10)
+        try:
+            self.bcast.enqueue(("stop", (), {}, None), timeout=10)
+            for p in self.procs:
+                p.join(10)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
         for p in self.procs:
-            p.join(10)
             if p.is_alive():
                 p.kill()
+            p.join(10)
+        shutil.rmtree(self._folder, ignore_errors=True)
