@@ -28,6 +28,7 @@ from workers import EchoWorker
 
 import zbus
 from zbus import protocol
+from zbus.config import usable_cores
 from zbus.ring import RingReader
 
 
@@ -205,6 +206,37 @@ def test_polling_after_a_call_does_not_outlast_the_callers_deadline():
         with pytest.raises(TimeoutError):
             pending.result(timeout=0.05)
         assert time.monotonic() - start < 0.55
+
+
+def _sleeps(pid: int) -> int:
+    """How often the process's main thread blocked (its voluntary context switches;
+    a sched_yield is not one)."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+@pytest.mark.skipif(usable_cores() > 4, reason="a worker per core and one more on a small node")
+def test_workers_of_a_node_with_more_waiting_processes_than_cores_sleep_right_after_a_call(monkeypatch):
+    """With as many workers as usable cores (and the driver: one waiter too many), a
+    worker sleeps on its doorbell as soon as its call is done, where it yielded for
+    200 us first: on 2 vCPUs those yields took the CPU of the process it waited for
+    (3 nodes of 2 workers: round trip 484-522 us with, 238-314 us without; see
+    docs/benchmarks.md). 300 calls back to back, all reply: the workers block after
+    most of them (counted, not timed: 0.57-1.0 a call each; one preempted between its
+    reply and its look at the ring finds the next call there), where in their yield
+    window the next call came first. Sabotage: ``WaitPolicy.from_env`` ignoring
+    ``waiters`` -> 0.0-0.02 sleeps a call."""
+    monkeypatch.delenv("ZBUS_YIELD_US", raising=False)
+    monkeypatch.delenv("ZBUS_SPIN_US", raising=False)
+    with zbus.Executor(EchoWorker, nproc_per_node=usable_cores()) as ex:
+        pids = [p.pid for p in ex._workers.procs]
+        ex.collective_rpc("rank_value", args=(0,), timeout=30)
+        before = [_sleeps(pid) for pid in pids]
+        for i in range(300):
+            ex.collective_rpc("rank_value", args=(i,), timeout=30)
+        per_call = [(_sleeps(pid) - b) / 300 for pid, b in zip(pids, before)]
+    print(f"sleeps per call: {per_call}")
+    assert sum(per_call) / len(per_call) > 0.5
 
 
 def test_callables_travel_by_import_path_and_code_never_does(ex):

@@ -747,6 +747,25 @@ def test_wait_settings_out_of_range_are_refused(monkeypatch, name, value):
     assert WaitPolicy.from_env().slice_s == (0.25 if name == "ZBUS_WAIT_SLICE" else 0.5)
 
 
+def test_waiters_poll_by_default_only_when_each_has_a_core(monkeypatch):
+    """By default a waiter yields 200 us before it sleeps (and spins 50 us with more
+    than 2 cores) only where each process of the node that waits on rings has a
+    usable core; with more of them, it sleeps at once. A setting wins either way.
+    Sabotage: ignore ``waiters`` -> 200 us of yielding with one waiter too many."""
+    from zbus.config import usable_cores
+
+    monkeypatch.delenv("ZBUS_SPIN_US", raising=False)
+    monkeypatch.delenv("ZBUS_YIELD_US", raising=False)
+    cores = usable_cores()
+    fits = WaitPolicy.from_env(waiters=cores)
+    assert (fits.spin_s, fits.yield_s) == (50e-6 if cores > 2 else 0.0, 200e-6)
+    crowded = WaitPolicy.from_env(waiters=cores + 1)
+    assert (crowded.spin_s, crowded.yield_s) == (0.0, 0.0)
+    monkeypatch.setenv("ZBUS_YIELD_US", "70")
+    monkeypatch.setenv("ZBUS_SPIN_US", "5")
+    assert WaitPolicy.from_env(waiters=cores + 1) == WaitPolicy(5e-6, 70e-6, crowded.slice_s)
+
+
 def test_received_buffers_are_reused_only_when_nothing_refers_to_them():
     writer = RingWriter.create(1, RingGeometry(64 * 1024, 8))
     reader = RingReader.attach(writer.handle, 0)

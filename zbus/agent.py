@@ -322,7 +322,7 @@ class NodeAgent:
         from .logs import setup_logging
 
         setup_logging(f"node {self.node_rank}", logging.getLevelName(logging.getLogger().level))
-        policy = WaitPolicy.from_env()
+        policy = WaitPolicy.from_env(waiters=n + 1)  # the node's workers and this agent
         policy = dataclasses.replace(policy, slice_s=min(policy.slice_s, FULL_SLICE_S))
         self.ring = RingWriter.create(n, RingGeometry.from_env(calls=True), policy=policy)
         world = welcome["nnodes"] * n

@@ -6,13 +6,16 @@
                each: a call of up to 32 MiB is decoded where it lies, without
                a copy) and ``1Mx8`` for each worker's reply queue.
 ``ZBUS_SPIN_US``  how long a waiter spins before it yields; default: 50 us with
-               more than 2 usable cores, else 0 (spinning steals the core the
-               other side needs).
+               more than 2 usable cores and a core for each waiting process of
+               the node, else 0 (spinning steals the core the other side needs).
 ``ZBUS_YIELD_US`` how long a waiter then calls sched_yield, which runs whatever
                else is ready on its core, before it sleeps on its doorbell;
-               default 200 us. A reply that lands in that window needs no
-               wake-up at all, and waking a sleeping process on another core
-               is what costs most (measured: docs/benchmarks.md).
+               default 200 us where each process of the node that waits on
+               zbus's rings (its workers, and the driver or node agent) has a
+               usable core, else 0. A reply that lands in that window needs no
+               wake-up at all; with more waiters than cores, a yielding process
+               takes the CPU that the one it waits for needs (measured:
+               docs/benchmarks.md).
 ``ZBUS_WAIT_SLICE`` longest single doorbell sleep in seconds (default 0.5). Wake-ups
                do not depend on it; it bounds how late a cancel event or a third
                party's abort is seen. Above 0; the others at least 0 (else
@@ -101,10 +104,13 @@ class WaitPolicy:
     slice_s: float
 
     @classmethod
-    def from_env(cls) -> WaitPolicy:
-        many = usable_cores() > 2
-        spin = _number("ZBUS_SPIN_US", 50 if many else 0) / 1e6
-        yld = _number("ZBUS_YIELD_US", 200) / 1e6
+    def from_env(cls, waiters: int = 1) -> WaitPolicy:
+        """The settings, with defaults for a node where ``waiters`` processes wait on
+        zbus's rings: they poll before sleeping only if each has a core of its own."""
+        cores = usable_cores()
+        polls = waiters <= cores
+        spin = _number("ZBUS_SPIN_US", 50 if polls and cores > 2 else 0) / 1e6
+        yld = _number("ZBUS_YIELD_US", 200 if polls else 0) / 1e6
         # (a slice of 0 would make every sleep one microsecond: a busy loop)
         return cls(spin, yld, _number("ZBUS_WAIT_SLICE", 0.5, positive=True))
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
 from .cluster import TOPIC_RPC, ClusterSettings, brief, port_range, resolve_ip, route_to
-from .config import MAX_POLL_S
+from .config import MAX_POLL_S, WaitPolicy
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
     Cancelled,
@@ -846,22 +846,23 @@ class MultiprocExecutor(Executor):
     def _start(self) -> None:
         shm.sweep_stale()
         n, s = self.nproc_per_node, self.settings
+        policy = WaitPolicy.from_env(waiters=n + 1)  # this node's workers and this process
         if self.nnodes > 1:
-            self._leader = Leader(s, lambda **kw: Broadcaster(n, **kw), self.failure, self.curve_dir,
-                                  self.metrics, _weakly(self.status), secret=self.secret,
-                                  insecure=self.insecure)
+            self._leader = Leader(s, lambda **kw: Broadcaster(n, policy=policy, **kw), self.failure,
+                                  self.curve_dir, self.metrics, _weakly(self.status),
+                                  secret=self.secret, insecure=self.insecure)
             self._bcast = self._leader.bcast
             torch_port = reserve_port(self._leader.bind_ip)
             ifname = route_to(self._leader.bind_ip)[1]
         else:
-            self._bcast = Broadcaster(n)
+            self._bcast = Broadcaster(n, policy=policy)
             torch_port = reserve_port(resolve_ip(self.master_addr))
             ifname = None
         self.torch_port = torch_port  # workers' MASTER_PORT
         for _ in range(n):  # one at a time: shutdown() removes those made before a failure
             self._resp_handles.append(ring.create(1))
         for h in self._resp_handles:  # one at a time, for the same reason
-            reader = ring.RingReader.attach(h, 0)
+            reader = ring.RingReader.attach(h, 0, policy)
             if self.poll_after_call_s is not None:  # a reply follows a call as a call a reply
                 reader.keep_polling(self.poll_after_call_s)
             self._receivers.append(ShmReceiver(reader))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import zmq
 
 from . import codec, protocol
-from .config import RingGeometry
+from .config import RingGeometry, WaitPolicy
 from .errors import Cancelled, CodecError, SendTimeout, ZbusError
 from .ring import RingHandle, RingReader, RingWriter
 
@@ -245,9 +245,10 @@ class Broadcaster:
     def __init__(self, n_local: int, host: str | None = None, port: int = 0,
                  port_range: tuple[int, int] | None = None, ctx: zmq.Context | None = None,
                  ring: RingWriter | None = None,
-                 configure: Callable[[zmq.Socket], None] | None = None):
+                 configure: Callable[[zmq.Socket], None] | None = None,
+                 policy: WaitPolicy | None = None):
         if ring is None and n_local:
-            ring = RingWriter.create(n_local, RingGeometry.from_env(calls=True))
+            ring = RingWriter.create(n_local, RingGeometry.from_env(calls=True), policy)
         self.ring = ring
         self.xpub: zmq.Socket | None = None
         self.in_parts = False  # large frames cut in parts on the XPUB socket (a keyed one)
@@ -342,8 +343,8 @@ class Broadcaster:
 class ShmSender:
     """Writing end of a single-reader shared-memory response queue."""
 
-    def __init__(self, handle: RingHandle | dict):
-        self.ring = RingWriter.attach(handle)
+    def __init__(self, handle: RingHandle | dict, policy: WaitPolicy | None = None):
+        self.ring = RingWriter.attach(handle, policy)
 
     def put(self, obj: Any, timeout: float | None = None) -> None:
         self.ring.send(codec.encode(obj), timeout)

@@ -25,7 +25,7 @@ from typing import Any, Callable, NoReturn
 
 from . import protocol, shm
 from .cluster import brief
-from .config import MAX_POLL_S
+from .config import MAX_POLL_S, WaitPolicy
 from .errors import CodecError, RingClosed, ZbusError
 from .logs import setup_logging
 from .processes import end_own_group
@@ -374,7 +374,9 @@ def main() -> None:
     death = threading.Thread(target=_watch_death_pipe, args=(place["death_fd"], place["segments"]),
                              name="zbus-death-pipe", daemon=True)
     death.start()
-    bcast = RingReader.attach(place["bcast"], place["local_rank"], lend=True)
+    # the node's workers and its driver or agent wait on rings
+    policy = WaitPolicy.from_env(waiters=place["local_world_size"] + 1)
+    bcast = RingReader.attach(place["bcast"], place["local_rank"], policy, lend=True)
     resp = place["resp"]  # local ranks: a ring handle; remote ranks: the leader's PULL address
     if "push" in resp:
         from .curve import NodeCurve
@@ -385,7 +387,7 @@ def main() -> None:
         out: Any = ReplySender(resp["push"], configure=curve.client if curve else None,
                                max_bytes=resp.get("max_reply"))
     else:
-        out = ShmSender(resp)
+        out = ShmSender(resp, policy)
     try:
         try:
             spec = codec.decode(bcast.recv())
