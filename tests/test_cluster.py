@@ -1677,8 +1677,8 @@ def test_the_calls_a_node_holds_after_lost_ones_are_bounded_in_bytes():
             lead, first = ex._leader, ex._leader.path.sent_seq + 2  # sent_seq + 1 is "lost"
             with lead.xpub_lock:  # all 12 queued before the leader answers node 1's ask
                 for seq in range(first, first + 12):
-                    send_frames(lead.path.bcast.xpub, [TOPIC_RPC, protocol.call_envelope(seq, "noop", -1, 1),
-                                                       bytes(2**20)], deadline_of(10), "a test call")
+                    call = [lead.rpc_topic, protocol.call_envelope(seq, "noop", -1, 1), bytes(2**20)]
+                    send_frames(lead.path.bcast.xpub, call, deadline_of(10), "a test call")
             assert proc.wait(20) == 1
         wait_until(lambda: log.has("too many calls held"), 5, "node 1 saying why it left")
     finally:

@@ -23,6 +23,7 @@ from test_cluster import follower, free_port_pair
 
 import zbus
 from zbus import codec, datapath, protocol
+from zbus.cluster import rpc_topic
 from zbus.curve import keygen
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
@@ -543,6 +544,7 @@ def good_welcome(**changes):
     ({"liveness_s": 1e12}, "liveness_s"), ({"liveness_s": 0.01}, "liveness_s"),
     ({"liveness_s": float("nan")}, "liveness_s"), ({"node_rank": 3}, "node_rank"),
     ({"nnodes": 10**9}, "nnodes"), ({"torch_port": 0}, "torch_port"), ({"session": None}, "session"),
+    ({"session": "s1*"}, "session"), ({"session": "s" * 65}, "session"), ({"session": "é1"}, "session"),
     ({"master_addr": "x" * 5000}, "master_addr"), ({"reply_address": "ipc:///tmp/x"}, "reply_address"),
     ({"spec": {"worker": None}}, "spec"), ({"env": {"A": "x" * 100000}}, "env"),
     ({"env": {str(i): "" for i in range(2000)}}, "env"),
@@ -893,13 +895,24 @@ class PosingLeader:
         welcome = good_welcome(nproc_per_node=1, master_addr="127.0.0.1", env={},
                                reply_address=self.reply_address,
                                spec={"worker": "workers:EchoWorker", "kwargs": {}}, **changes)
+        self.session = welcome["session"]
+        self.rpc_topic, self._calls_heard = rpc_topic(str(self.session)), False
         self.xpub.send_multipart([self.topic, *codec.encode(["welcome", welcome])])
+
+    def await_calls_heard(self) -> None:
+        """Wait until the follower subscribed to our calls (once its welcome is taken):
+        a call sent before would be lost, as a leader's probes make sure none is."""
+        if not self._calls_heard:
+            wait_until(lambda: self.xpub.poll(100) and self.xpub.recv() == b"\x01" + self.rpc_topic, 30,
+                       "the calls' topic subscribed")
+            self._calls_heard = True
 
     def call(self, seq: int, method: str, *args, again: bool = False) -> None:
         """Send call ``seq`` to every rank; ``again``: on the node's topic, as a call
         sent again after a gap."""
+        self.await_calls_heard()
         payload = codec.encode((args, {}))
-        self.xpub.send_multipart([self.topic + b"R" if again else b"R",
+        self.xpub.send_multipart([self.topic + b"R" if again else self.rpc_topic,
                                   protocol.call_envelope(seq, method, -1, len(payload)), *payload])
 
     def receive(self, timeout_ms: int) -> list | None:
@@ -926,9 +939,10 @@ def test_a_serving_follower_ignores_messages_of_the_wrong_shape():
     leading = PosingLeader()
     try:
         leading.welcome()
-        topic, array = leading.topic, codec.encode(np.array([1, 2]))
-        for bad in ([b"R"], [b"R*"], [topic + b"R"], [b"H", *array], [topic, *array], [b"RP", *array],
-                    [b"HP", *codec.encode({"probe": 1})]):
+        leading.await_calls_heard()
+        topic, calls, array = leading.topic, leading.rpc_topic, codec.encode(np.array([1, 2]))
+        for bad in ([calls], [calls + b"*"], [topic + b"R"], [b"H", *array], [topic, *array],
+                    [calls + b"P", *array], [b"HP", *codec.encode({"probe": 1})]):
             leading.xpub.send_multipart(bad)
 
         def heartbeat() -> bool:  # the follower's, read after the bad messages; ours keep it alive
@@ -971,6 +985,39 @@ def test_a_follower_takes_a_new_leader_at_its_leaders_address_for_a_stranger():
         leading.close()
 
 
+def test_a_follower_never_runs_a_call_of_another_leader_at_its_leaders_address():
+    """The leader a follower joined dies and another binds its address: ZeroMQ
+    reconnects the follower to it, and that leader's calls may come before its
+    first heartbeat, which shows the follower a stranger. They ran on the
+    follower's workers, numbered on from the calls it had (here a call 1, the
+    first). A leader's calls now go on the topic of its session, which its
+    welcome named, and a follower subscribes to its own leader's alone. Sabotage:
+    ``cluster.rpc_topic`` ignoring the session -> the stranger's call is answered."""
+    leading = PosingLeader()
+    try:
+        leading.welcome()
+        wait_until(lambda: (leading.receive(100) or [])[:2] == [1, protocol.READY], 30,
+                   "the follower's worker up")
+        payload = codec.encode((("stranger",), {}))
+        leading.xpub.send_multipart([rpc_topic("s2"), protocol.call_envelope(1, "echo", -1, len(payload)),
+                                     *payload])  # (another leader's session)
+
+        def replies(seconds: float) -> list:
+            got, end = [], time.monotonic() + seconds
+            while time.monotonic() < end:
+                msg = leading.receive(100)
+                if msg is not None and type(msg[0]) is int:  # a rank's reply, not a heartbeat
+                    got.append(msg)
+            return got
+        assert replies(2.0) == []
+        leading.call(1, "echo", "own")  # its own leader's call 1 runs
+        got = replies(5.0)
+        assert [m[:3] for m in got] == [[1, 1, protocol.OK]] and "own" in str(got[0][3])
+        leading.bye()
+    finally:
+        leading.close()
+
+
 def test_a_follower_answers_the_probes_until_its_answer_arrives():
     """The leader probes a welcomed node on the call and heartbeat topics until the
     node's ``subscribed`` arrives, and drops it after the liveness limit. The
@@ -978,14 +1025,14 @@ def test_a_follower_answers_the_probes_until_its_answer_arrives():
     connection, a full control backlog) lost the node. It now answers every pair.
     Sabotage: ``self._probes_seen = None`` after the answer in
     ``NodeAgent._on_probe`` -> one answer in 10 s."""
-    from zbus.cluster import PROBE_TOPICS
+    from zbus.cluster import probe_topics
 
     leading = PosingLeader()
     try:
         leading.welcome()
         answers, deadline = 0, time.monotonic() + 10
         while answers < 2 and time.monotonic() < deadline:  # the first answer is "lost"
-            for topic in PROBE_TOPICS:
+            for topic in probe_topics(leading.session):
                 leading.xpub.send_multipart([topic, *codec.encode(["probe", leading.node_id])])
             while (msg := leading.receive(50)) is not None:
                 answers += msg == ["subscribed", leading.node_id]

@@ -27,7 +27,6 @@ import zmq
 from . import codec, protocol, ring, shm
 from .cluster import (
     LIVENESS_RANGE_S,
-    PROBE_TOPICS,
     TOPIC_HEARTBEAT,
     TOPIC_RPC,
     ClusterSettings,
@@ -35,8 +34,10 @@ from .cluster import (
     heartbeat_interval,
     new_node_id,
     node_topic,
+    probe_topics,
     resolve_ip,
     route_to,
+    rpc_topic,
     touch_health,
 )
 from .config import MAX_POLL_S, RingGeometry, WaitPolicy
@@ -84,6 +85,7 @@ def safe_env_name(name: str) -> bool:
 
 MAX_NNODES = 4096
 MAX_TEXT = 1024  # longest address or worker path a welcome may carry
+MAX_SESSION = 64  # longest leader session a welcome may carry (it is in the calls' topic)
 MAX_ENV = 1024  # most env= variables, each name and value at most MAX_TEXT and 64 KiB
 
 
@@ -115,8 +117,9 @@ def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None
         return f"torch_port {brief(w.get('torch_port'))} outside 1..65535"
     if not is_text(w.get("master_addr")):
         return "master_addr is not a short string"
-    if not is_text(w.get("session")):
-        return "session is not a short string"
+    if not is_text(w.get("session")) or not (w["session"].isascii() and w["session"].isalnum()
+                                              and len(w["session"]) <= MAX_SESSION):
+        return f"session {brief(w.get('session'))} is not up to {MAX_SESSION} letters and digits"
     if not is_text(w.get("reply_address")) or not w["reply_address"].startswith("tcp://"):
         return f"reply_address {brief(w.get('reply_address'))} is not a tcp:// address"
     if "max_reply" in w and not is_int("max_reply", 1, codec.MAX_MESSAGE):
@@ -190,6 +193,7 @@ class NodeAgent:
         self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self._poll_s = 0.0  # the executor's poll_after_call_s (from the welcome)
         self._leader_session: str | None = None  # the welcoming leader's (its heartbeats name it)
+        self._rpc_topic = self._probe_topics = None  # its calls' topic and probes' (from the welcome)
         self._poll_until = 0.0
         core = ring._core  # the compiled relay, if the core is built and finds libzmq
         self._relay_one = core.relay_one if core is not None and core.relay_ready() else None
@@ -262,9 +266,10 @@ class NodeAgent:
         self.sub.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
         self.sub.setsockopt(zmq.RCVHWM, 64)  # backpressure reaches the leader, not our memory
         self.push.setsockopt(zmq.SNDHWM, 1000)
-        # The leader welcomes us on our node topic, then probes the RPC and heartbeat
-        # topics until we answer: so we miss no RPC (see zbus.cluster).
-        for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(self.node_id)):
+        # The leader welcomes us on our node topic; we then subscribe to its calls'
+        # topic, and it probes that and the heartbeat topic until we answer: so we
+        # miss no RPC (see zbus.cluster).
+        for topic in (TOPIC_HEARTBEAT, node_topic(self.node_id)):
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(f"tcp://{bracket(master_ip)}:{s.master_port}")
         self.push.connect(f"tcp://{bracket(master_ip)}:{s.master_port + 1}")
@@ -317,7 +322,9 @@ class NodeAgent:
         n = welcome["nproc_per_node"]
         self.node_rank = welcome["node_rank"]
         self.liveness_s = welcome["liveness_s"]
-        self._leader_session = welcome["session"]
+        session = self._leader_session = welcome["session"]
+        self._rpc_topic, self._probe_topics = rpc_topic(session), probe_topics(session)
+        self.sub.setsockopt(zmq.SUBSCRIBE, self._rpc_topic)  # this leader's calls, not another's
         self._poll_s = float(welcome["spec"].get("poll_s") or 0.0)
         from .logs import setup_logging
 
@@ -377,7 +384,7 @@ class NodeAgent:
         poller = zmq.Poller()
         poller.register(self.sub, zmq.POLLIN)
         poller.register(self._death_r, zmq.POLLIN)
-        call_topics = (TOPIC_RPC, node_topic(self.node_id) + TOPIC_RPC)
+        call_topics = (self._rpc_topic, node_topic(self.node_id) + TOPIC_RPC)
         while True:
             self._tick()
             # wake for the next heartbeat or the moment the leader would be lost
@@ -400,7 +407,7 @@ class NodeAgent:
                             self._relay(self._call_frames(topic, frames[1:]))
                         else:
                             log.warning("dropped a call message with nothing in it")
-                    elif topic in PROBE_TOPICS:
+                    elif topic in self._probe_topics:
                         self._on_probe(topic, self._decode(frames[1:]))
                     elif topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id):
                         # (heartbeats come on the node topic while another node stalls broadcasts)
@@ -452,7 +459,7 @@ class NodeAgent:
         the leader probes until an answer arrives (one may be lost)."""
         if msg == ["probe", self.node_id]:
             self._probes_seen.add(topic)
-            if len(self._probes_seen) == len(PROBE_TOPICS):
+            if len(self._probes_seen) == len(self._probe_topics):
                 self._subscribed |= self._send_to_leader(["subscribed", self.node_id], timeout=1.0)
                 self._probes_seen = set()
 
@@ -471,7 +478,7 @@ class NodeAgent:
         if at is None:
             return self._read() if self.sub.poll(0, zmq.POLLIN) else None
         got = self._relay_one(self.sub.underlying, self.ring.mapping, at, self.ring.chunk_bytes,
-                              TOPIC_RPC, self._last_seq + 1)
+                              self._rpc_topic, self._last_seq + 1)
         if got is None:
             return None
         self._last_leader = time.monotonic()

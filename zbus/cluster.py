@@ -6,19 +6,21 @@ on its address: ``master_port`` (XPUB: RPC broadcasts, heartbeats and per-node
 control, leader -> nodes) and ``master_port + 1`` (PULL: joins, heartbeats and
 every remote rank's replies, nodes -> leader). Followers open every connection.
 
-Topics on the XPUB side: ``R`` the RPC stream (relayed verbatim into each node's
-ring), ``H`` leader heartbeats ``["hb", last call number sent, session]`` (``failed``
-instead once the executor failed), ``stopping`` and the final ``bye``,
-``N<node id>`` control for one node (welcome, reject, or dropped: welcomed, then
-silent too long), ``N<node id>R`` calls sent again to a node that lost them,
-``RP``/``HP`` probes. Messages on the PULL side are codec-encoded lists:
-``["join", node_id, info]``, ``["subscribed", node_id]``, ``["hb", node_rank,
-last call relayed]``, ``["died", node_rank, rank, exitcode]``, ``["gap",
-node_rank, expected_seq, got_seq]``, ``["refused", node_id, reason]``,
-``["status", token]``, or a worker reply ``[rank, seq, status, value]``.
+Topics on the XPUB side: ``R<session>`` the RPC stream of the leader whose welcome
+named that session (relayed verbatim into each node's ring), ``H`` leader
+heartbeats ``["hb", last call number sent, session]`` (``failed`` instead once the
+executor failed), ``stopping`` and the final ``bye``, ``N<node id>`` control for one
+node (welcome, reject, or dropped: welcomed, then silent too long), ``N<node id>R``
+calls sent again to a node that lost them, ``R<session>P``/``HP`` probes. Messages
+on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
+``["subscribed", node_id]``, ``["hb", node_rank, last call relayed]``, ``["died",
+node_rank, rank, exitcode]``, ``["gap", node_rank, expected_seq, got_seq]``,
+``["refused", node_id, reason]``, ``["status", token]``, or a worker reply ``[rank,
+seq, status, value]``.
 
-Joining: a follower subscribes to ``R``, ``H`` and its own ``N<id>``, then sends
-``join`` until welcomed; the leader's side is :class:`zbus.membership.Membership`.
+Joining: a follower subscribes to ``H`` and its own ``N<id>``, then sends ``join``
+until welcomed, and then to ``R<session>``; the leader's side is
+:class:`zbus.membership.Membership`.
 """
 
 from __future__ import annotations
@@ -45,9 +47,6 @@ from .queues import bracket, send_message
 log = logging.getLogger(__name__)
 
 TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
-# Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
-# so a node's answer proves both subscriptions are in place at the leader.
-PROBE_TOPICS = (TOPIC_RPC + b"P", TOPIC_HEARTBEAT + b"P")
 MAX_REPLY_DEFAULT = 256 * 2**20
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 DEFAULT_MASTER_PORT = 29650
@@ -115,6 +114,20 @@ def any_rank(rank: Any) -> bool:
 
 def node_topic(node_id: str) -> bytes:
     return b"N" + node_id.encode()
+
+
+def rpc_topic(session: str) -> bytes:
+    """The topic of the calls of the leader whose session this is. A node hears only
+    its own leader's calls: ZeroMQ reconnects it to whatever leader binds the same
+    address (one restarted there), whose calls could come before the heartbeat
+    that shows it a stranger."""
+    return TOPIC_RPC + session.encode()
+
+
+def probe_topics(session: str) -> tuple[bytes, bytes]:
+    """Probes travel on topics that the RPC and heartbeat subscriptions match (prefix),
+    so a node's answer proves both subscriptions are in place at the leader."""
+    return rpc_topic(session) + b"P", TOPIC_HEARTBEAT + b"P"
 
 
 def new_node_id() -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -26,7 +27,7 @@ from typing import Any, Callable
 import zmq
 
 from . import codec, protocol
-from .cluster import TOPIC_HEARTBEAT, TOPIC_RPC, ClusterSettings, any_rank, brief, node_topic
+from .cluster import TOPIC_HEARTBEAT, TOPIC_RPC, ClusterSettings, any_rank, brief, node_topic, rpc_topic
 from .curve import LeaderCurve
 from .errors import CodecError, RingClosed
 from .metrics import Metrics
@@ -294,6 +295,11 @@ class DataPath:
         self.curve = curve
         self.metrics = metrics
         self.max_reply = max_reply
+        # this leader's own: its welcome names it, its calls go on rpc_topic(session) and
+        # its heartbeats name it, so a node that joined a leader which died hears none
+        # of a new one's calls at the same address, and takes it for a stranger
+        self.session = secrets.token_hex(8)
+        self.rpc_topic = rpc_topic(self.session)
         self.xpub_lock = threading.RLock()  # the I/O thread sends welcomes while reading it
         self.pull_lock = threading.Lock()
         # one condition for replies filed, nodes joined and a failure: every wait wakes on it
@@ -331,7 +337,7 @@ class DataPath:
         within ``timeout`` seconds: whether it was queued (False: the XPUB socket
         stayed busy, or a node full)."""
         try:
-            send_frames(self.bcast.xpub, self.bcast.wire(TOPIC_RPC, frames), deadline_of(timeout),
+            send_frames(self.bcast.xpub, self.bcast.wire(self.rpc_topic, frames), deadline_of(timeout),
                         "broadcast to nodes", lock=self.xpub_lock)
             return True
         except TimeoutError:

@@ -21,7 +21,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .cluster import TOPIC_RPC, ClusterSettings, brief, port_range, resolve_ip, route_to
+from .cluster import ClusterSettings, brief, port_range, resolve_ip, route_to
 from .config import MAX_POLL_S, WaitPolicy
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
@@ -1032,7 +1032,8 @@ class MultiprocExecutor(Executor):
             nodes_got[0] = True
             self._leader.sent(self._seq, frames)
 
-        self._bcast.publish_frames(frames, left, TOPIC_RPC, self._drain_ready, self.failure.cancel, lock,
+        topic = self._leader.rpc_topic if self._leader is not None else b""
+        self._bcast.publish_frames(frames, left, topic, self._drain_ready, self.failure.cancel, lock,
                                    queued if self._leader is not None else None)
 
     def _send_cut_short(self, call: Call, got: list[bool], error: BaseException) -> None:

@@ -71,6 +71,7 @@ class Leader:
                                      f"tcp://{bracket(self.bind_ip)}:{settings.master_port + 1}", status)
         self.path.route_control(self.membership.handle, self.membership.probing_rank)
         self.xpub_lock = self.path.xpub_lock  # the executor publishes under it: heartbeats share it
+        self.rpc_topic = self.path.rpc_topic  # the topic of this leader's calls
         self.receivers = self.path.receivers  # by rank, from each node's welcome on
         self.nodes = self.membership.nodes  # by node rank, once joined
         self.failure.on_failure(self._on_failure)

@@ -2,8 +2,8 @@
 
 Formation: a follower sends ``join`` until welcomed. The leader welcomes it (on
 ``N<node id>``) once that subscription shows on the XPUB socket, then probes it on
-``RP`` and ``HP`` until it answers ``subscribed``: only then does the node count
-as joined, so it cannot miss an RPC. (A SUB socket re-sends its subscriptions in
+``R<session>P`` and ``HP`` until it answers ``subscribed``: only then does the node
+count as joined, so it cannot miss an RPC. (A SUB socket re-sends its subscriptions in
 no set order, so the order they were made in proves nothing.) Liveness:
 heartbeats both ways; a joined node silent for ``liveness_s`` fails the executor
 (:class:`zbus.errors.NodeLostError`).
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -29,12 +28,12 @@ import zmq
 
 from . import protocol
 from .cluster import (
-    PROBE_TOPICS,
     STATUS_TOPIC,
     ClusterSettings,
     any_rank,
     brief,
     node_topic,
+    probe_topics,
     touch_health,
 )
 from .datapath import DataPath
@@ -102,9 +101,7 @@ class Membership:
         self._probing: dict[str, NodeInfo] = {}
         self._dropped_ids: dict[str, None] = {}  # dropped while probed (the latest, in order)
         self._welcome_spec: dict = {}
-        # this leader's own: heartbeats name it, so a node that joined a leader which
-        # died takes a new one at the same address for what it is (a stranger)
-        self.session = secrets.token_hex(8)
+        self.session = path.session
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._status = status
@@ -274,7 +271,7 @@ class Membership:
 
     def _probe(self) -> None:
         for node_id in self._probing:
-            for topic in PROBE_TOPICS:
+            for topic in probe_topics(self.session):
                 self.path.send_control(topic, ["probe", node_id], timeout=0.1)
 
     def _check_join(self, info: Any) -> int:

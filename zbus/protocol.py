@@ -36,8 +36,8 @@ from .errors import CodecError
 
 # Checked at a node's join: 2: calls say which replies the driver has; heartbeats
 # name the last call relayed. 3: the leader's heartbeats name its session, which
-# its welcome gave.
-PROTOCOL_VERSION = 3
+# its welcome gave. 4: its calls go on the topic of its session (cluster.rpc_topic).
+PROTOCOL_VERSION = 4
 CALL, STOP = 1, 2
 MAX_ENVELOPE = 65536  # bytes: a method's name and five ints
 NO_ARGS = codec.encode(((), {}))[0]  # the arguments of most calls, encoded once
