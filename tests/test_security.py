@@ -1076,10 +1076,12 @@ def test_a_follower_writing_lost_calls_to_slow_workers_waits_for_them(lost):
                 asked.append(msg[2:])
                 if msg[2] in lost:
                     leading.call(msg[2], "noop", again=True)
-            leaving += [msg] if msg[0] == "leaving" else []
+            leaving += [msg] if msg[0] in ("leaving", "refused") else []  # (refused: no member yet)
             if msg[0] == 1 and msg[1] != protocol.READY:  # (rank 1's replies)
                 replies.add(msg[1])
-        assert not leaving and replies == set(range(1, last + 1)), (leaving, replies, leading.proc.poll())
+        ended = leading.proc.poll()
+        assert not leaving and replies == set(range(1, last + 1)), \
+            (leaving, replies, ended, leading.proc.stderr.read()[-3000:] if ended is not None else "")
         assert asked == [[n, n + 1] for n in lost], asked
         leading.bye()
     finally:
