@@ -1117,7 +1117,7 @@ def test_heartbeats_reach_the_other_nodes_while_one_node_stalls_the_calls():
     caller = threading.Thread(target=publish_until_blocked, daemon=True)
     try:
         slow.setsockopt(zmq.RCVHWM, 1)
-        for sub, node_id in ((slow, "id2"), (healthy, "id1")):  # as an agent subscribes
+        for sub, node_id in ((slow, "id2"), (healthy, "id1")):  # as a welcomed agent (R: any session)
             for topic in (TOPIC_RPC, TOPIC_HEARTBEAT, node_topic(node_id)):
                 sub.setsockopt(zmq.SUBSCRIBE, topic)
             sub.connect(f"tcp://127.0.0.1:{port}")

@@ -220,7 +220,7 @@ def test_workers_of_a_node_with_more_waiting_processes_than_cores_sleep_right_af
     """With as many workers as usable cores (and the driver: one waiter too many), a
     worker sleeps on its doorbell as soon as its call is done, where it yielded for
     200 us first: on 2 vCPUs those yields took the CPU of the process it waited for
-    (3 nodes of 2 workers: round trip 484-522 us with, 238-314 us without; see
+    (3 nodes of 2 workers: round trip 539-542 us with, 271-289 us without; see
     docs/benchmarks.md). 300 calls back to back, all reply: the workers block after
     most of them (counted, not timed: 0.57-1.0 a call each; one preempted between its
     reply and its look at the ring finds the next call there), where in their yield

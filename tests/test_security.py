@@ -998,6 +998,7 @@ def test_a_follower_never_runs_a_call_of_another_leader_at_its_leaders_address()
         leading.welcome()
         wait_until(lambda: (leading.receive(100) or [])[:2] == [1, protocol.READY], 30,
                    "the follower's worker up")
+        leading.await_calls_heard()  # (the follower serves: it hears its own leader's calls)
         payload = codec.encode((("stranger",), {}))
         leading.xpub.send_multipart([rpc_topic("s2"), protocol.call_envelope(1, "echo", -1, len(payload)),
                                      *payload])  # (another leader's session)

@@ -1,7 +1,7 @@
 """The leader's data path: calls out to the nodes, replies back from them.
 
-Calls go out on the XPUB socket (topic ``R``; ``N<node id>R`` when a node lost
-some and asks for them again), each copy kept in :class:`SentCalls` until every
+Calls go out on the XPUB socket (topic ``R<session>``; ``N<node id>R`` when a node
+lost some and asks for them again), each copy kept in :class:`SentCalls` until every
 node has it. Every remote rank's reply comes back on the PULL socket, into that
 rank's :class:`RemoteReceiver`. The PULL socket also carries the nodes' control
 messages, which :class:`zbus.membership.Membership` handles.
