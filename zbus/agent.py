@@ -117,9 +117,9 @@ def check_welcome(welcome: Any, nproc: int, node_rank: int | None) -> str | None
         return f"torch_port {brief(w.get('torch_port'))} outside 1..65535"
     if not is_text(w.get("master_addr")):
         return "master_addr is not a short string"
-    if not is_text(w.get("session")) or not (w["session"].isascii() and w["session"].isalnum()
-                                              and len(w["session"]) <= MAX_SESSION):
-        return f"session {brief(w.get('session'))} is not up to {MAX_SESSION} letters and digits"
+    session = w.get("session")
+    if not (type(session) is str and session.isascii() and session.isalnum() and len(session) <= MAX_SESSION):
+        return f"session {brief(session)} is not up to {MAX_SESSION} letters and digits"
     if not is_text(w.get("reply_address")) or not w["reply_address"].startswith("tcp://"):
         return f"reply_address {brief(w.get('reply_address'))} is not a tcp:// address"
     if "max_reply" in w and not is_int("max_reply", 1, codec.MAX_MESSAGE):

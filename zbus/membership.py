@@ -102,6 +102,7 @@ class Membership:
         self._dropped_ids: dict[str, None] = {}  # dropped while probed (the latest, in order)
         self._welcome_spec: dict = {}
         self.session = path.session
+        self._probe_topics = probe_topics(self.session)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._status = status
@@ -271,7 +272,7 @@ class Membership:
 
     def _probe(self) -> None:
         for node_id in self._probing:
-            for topic in probe_topics(self.session):
+            for topic in self._probe_topics:
                 self.path.send_control(topic, ["probe", node_id], timeout=0.1)
 
     def _check_join(self, info: Any) -> int:
