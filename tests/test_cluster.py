@@ -1054,7 +1054,8 @@ def test_liveness_runs_on_the_io_thread_while_a_caller_is_blocked_publishing():
         for rank in (1, 2):
             lead.nodes[rank] = NodeInfo(rank, f"id{rank}", f"node{rank}", "127.0.0.1", 1, 0, t0)
         while lead.failure.error is None and time.monotonic() - t0 < 5:
-            push.send_multipart(codec.encode(["hb", 1, 0]))  # node 1 lives, node 2 is silent
+            # node 1 lives, node 2 is silent
+            push.send_multipart(codec.encode(["hb", 1, lead.path.session, 0]))
             time.sleep(0.05)
         lost = time.monotonic() - t0
         caller.join(10)
@@ -1103,7 +1104,7 @@ def test_heartbeats_reach_the_other_nodes_while_one_node_stalls_the_calls():
     def nodes_live() -> None:  # for the leader, both nodes are alive
         while not stop.wait(0.05):
             for rank in (1, 2):
-                push.send_multipart(codec.encode(["hb", rank, 0]))
+                push.send_multipart(codec.encode(["hb", rank, lead.path.session, 0]))
 
     def heartbeats_heard(seconds: float) -> int:
         end, n = time.monotonic() + seconds, 0
@@ -1316,8 +1317,8 @@ def test_calls_sent_again_to_a_node_whose_queue_is_full_wait_for_its_next_ask(ca
         calls: list[bytes] = []
 
         def ask() -> None:  # with its heartbeat (liveness 1 s)
-            push.send_multipart(codec.encode(["hb", 1]))
-            push.send_multipart(codec.encode(["gap", 1, 1, 4]))
+            push.send_multipart(codec.encode(["hb", 1, lead.path.session]))
+            push.send_multipart(codec.encode(["gap", 1, lead.path.session, 1, 4]))
             time.sleep(0.1)
 
         def full_queue_answered() -> bool:
@@ -1338,7 +1339,7 @@ def test_calls_sent_again_to_a_node_whose_queue_is_full_wait_for_its_next_ask(ca
         # (an ask may come while the first calls sent again are still queued)
         assert list(dict.fromkeys(calls)) == [b"call 1", b"call 2", b"call 3"]
         assert lead.failure.error is None
-        push.send_multipart(codec.encode(["gap", 1, 0, 4]))  # call 0 was never kept
+        push.send_multipart(codec.encode(["gap", 1, lead.path.session, 0, 4]))  # call 0 was never kept
         wait_until(lambda: lead.failure.error is not None, 10, "the node failed")
         assert "missed calls 0 to 4" in str(lead.failure.error)
 
@@ -1629,6 +1630,48 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
             assert procs[0].wait(8) == 0
         finally:
             node2[0].resume()
+
+
+def test_the_nodes_of_a_leader_before_at_the_same_address_keep_no_node_alive_and_fail_nothing():
+    """A leader restarted at its address hears the nodes of the one before it until
+    they see it a stranger: ZeroMQ reconnects their sockets there, and their
+    messages name node ranks its own nodes hold. Such an orphan's heartbeats kept
+    a stalled node alive for good, and its "leaving" (an orphan stopped by SIGTERM)
+    or "died" failed the cluster. A member's messages name its leader's session,
+    and another's are dropped (``other-session``). Here an orphan of session
+    ``0 * 16`` says node 1 left, its worker died and calls went missing: nothing
+    fails, the cluster serves; then it heartbeats for node 2 every 50 ms while node
+    2's agent is stopped (SIGSTOP): node 2 is still lost for "no heartbeat" within
+    the 2 s liveness limit. Sabotage: no ``msg[2] != self.session`` in
+    ``Membership.handle`` -> the executor fails with node 1 "it left"."""
+    with leader_and_two_followers() as (ex, procs, node2):
+        lead = ex._leader
+        ctx = zmq.Context()
+        orphan = ctx.socket(zmq.PUSH)
+        orphan.connect(f"tcp://127.0.0.1:{lead.settings.master_port + 1}")
+        session = "0" * 16
+        try:
+            for msg in (["leaving", 1, session, "the node agent was stopped (SIGTERM or Ctrl-C)"],
+                        ["died", 1, session, 1, -9], ["gap", 1, session, 1, 5], ["hb", 1, session, 7]):
+                orphan.send_multipart(codec.encode(msg), flags=zmq.NOBLOCK)
+            wait_until(lambda: lead.dropped_by.get("other-session", 0) == 4 or ex.failure.error is not None,
+                       10, "the orphan's messages dropped")
+            assert ex.failure.error is None, ex.failure.error
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
+            node2[0].suspend()
+            try:
+                start = time.monotonic()
+                while ex.failure.error is None and time.monotonic() - start < 10:
+                    orphan.send_multipart(codec.encode(["hb", 2, session, 8]), flags=zmq.NOBLOCK)
+                    time.sleep(0.05)
+                lost = time.monotonic() - start
+                assert isinstance(ex.failure.error, zbus.NodeLostError), ex.failure.error
+                assert ex.failure.error.node_rank == 2 and "no heartbeat" in str(ex.failure.error)
+                assert lost < 2.0 + 1.5, lost
+            finally:
+                node2[0].resume()
+        finally:
+            ctx.destroy(linger=0)
 
 
 def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):

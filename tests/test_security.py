@@ -310,8 +310,13 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
                                            codec.encode(5)], {"shape": 3})
             batch("replies for no remote rank", [codec.encode([7, 1, 0, None]),  # rank 0 is local
                                                  codec.encode([1, 1, 0])], {"unknown-rank": 2})
-            batch("unknown kinds", [codec.encode(["died", 99, 1, 0]), codec.encode([UNKNOWN]),
-                                    codec.encode(["hb", 1, 2, 3])], {"unknown-kind": 3})
+            session = ex._leader.path.session
+            batch("unknown kinds", [codec.encode(["died", 99, session, 1, 0]), codec.encode([UNKNOWN]),
+                                    codec.encode(["hb", 1, session, 2, 3])], {"unknown-kind": 3})
+            # a member's messages of another leader's node (or that name no session)
+            batch("other sessions", [codec.encode(["leaving", 1, "0" * 16, "an orphan"]),
+                                     codec.encode(["died", 1, None, 1, 9]), codec.encode(["hb", 1]),
+                                     codec.encode(["gap", 1, [session], 1, 2])], {"other-session": 4})
             batch("a head no == can judge", [codec.encode([np.array([1, 2]), 0])], {"handler": 1})
             # a well-formed join once formed is refused with an answer, and counted; an id
             # not of hex digits is malformed: a member's id + "R*" would have its answer
@@ -648,10 +653,11 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
         with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
                            master_port=port, curve_dir=str(tmp_path / "leader"), join_timeout=60) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
-            before = ex._leader.dropped_by
+            before, session = ex._leader.dropped_by, ex._leader.path.session
             forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
                   [[1, 10**6, 0, "forged"], bytes.fromhex("9401ce000f424000c1"),  # [1, 10**6, 0, invalid]
-                   ["died", 1, 1, 9], ["hb", 1], ["gap", 1, 1, 5], ["leaving", 1, "forged"], ["hb", 2],
+                   ["died", 1, session, 1, 9], ["hb", 1, session], ["gap", 1, session, 1, 5],
+                   ["leaving", 1, session, "forged"], ["hb", 2, session],
                    ["refused", "no-such-node", "a marker"]])
             wait_until(lambda: ex._leader.dropped_by.get("stray-refused", 0) > before.get("stray-refused", 0),
                        20, "the marker after the forged messages counted")
@@ -684,7 +690,8 @@ def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkey
                 before = ex._leader.dropped
                 info = {"version": 1, "nproc": 1, "host": "h", "address": "a", "node_rank": 1, "pid": 1}
                 forge(port, NodeCurve.from_secret(SECRET.encode(), 2),
-                      [["join", "f" * 16, info], [1, 10**6, 0, "forged"], ["died", 1, 1, 9]])
+                      [["join", "f" * 16, info], [1, 10**6, 0, "forged"],
+                       ["died", 1, ex._leader.path.session, 1, 9]])
                 assert wait_dropped(ex, before + 3) == before + 3
                 ex.check_health()
                 assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
@@ -1073,10 +1080,10 @@ def test_a_follower_writing_lost_calls_to_slow_workers_waits_for_them(lost):
                 next_hb = time.monotonic() + 0.2
             if (msg := leading.receive(50)) is None:
                 continue
-            if msg[0] == "gap":
-                asked.append(msg[2:])
-                if msg[2] in lost:
-                    leading.call(msg[2], "noop", again=True)
+            if msg[0] == "gap":  # ["gap", node rank, session, first, upto]
+                asked.append(msg[3:])
+                if msg[3] in lost:
+                    leading.call(msg[3], "noop", again=True)
             leaving += [msg] if msg[0] in ("leaving", "refused") else []  # (refused: no member yet)
             if msg[0] == 1 and msg[1] != protocol.READY:  # (rank 1's replies)
                 replies.add(msg[1])

@@ -311,7 +311,7 @@ class NodeAgent:
         ``NodeLostError``); a node still joining refuses to start (start-up fails
         naming it: the leader takes nothing else from a node not yet a member)."""
         if self._subscribed:
-            self._send_to_leader(["leaving", self.node_rank, why], timeout=0.2)
+            self._tell_as_member("leaving", why, timeout=0.2)
         else:
             self._send_to_leader(["refused", self.node_id, why], timeout=1.0)
 
@@ -523,7 +523,7 @@ class NodeAgent:
             raise ZbusError(f"calls {first}..{upto - 1} never arrived (a reset "
                             "connection?): leaving the cluster")
         if now >= gap["ask"]:
-            self._send_to_leader(["gap", self.node_rank, first, upto], timeout=0.1)
+            self._tell_as_member("gap", first, upto, timeout=0.1)
             gap["ask"] = now + 0.5
 
     def _take(self) -> list:
@@ -634,9 +634,9 @@ class NodeAgent:
                 self._ring_unnamed = True
             if self.node_rank is not None:
                 # with the last call relayed: the leader may forget its copies up to it
-                self._send_to_leader(["hb", self.node_rank, self._last_seq], timeout=0.1)
+                self._tell_as_member("hb", self._last_seq, timeout=0.1)
                 for rank, code in self._dead.items():  # a report lost in a reset connection
-                    self._send_to_leader(["died", self.node_rank, rank, code], timeout=0.1)
+                    self._tell_as_member("died", rank, code, timeout=0.1)
                 touch_health()
             self._next_hb = now + heartbeat_interval(self.liveness_s)
 
@@ -651,9 +651,15 @@ class NodeAgent:
             rank = self.node_rank * n + local
             log.error("worker rank %d exited (%s)", rank, code)
             self._dead[rank] = code  # and again with each heartbeat, until the leader fails
-            self._send_to_leader(["died", self.node_rank, rank, code], timeout=1.0)
+            self._tell_as_member("died", rank, code, timeout=1.0)
 
     # --- plumbing ------------------------------------------------------------------
+
+    def _tell_as_member(self, kind: str, *rest: Any, timeout: float) -> bool:
+        """Send a member's message: it names this node's rank and its leader's
+        session, so a leader started since at the same address drops it (a node
+        of its own may hold that rank)."""
+        return self._send_to_leader([kind, self.node_rank, self._leader_session, *rest], timeout)
 
     def _send_to_leader(self, msg: Any, timeout: float) -> bool:
         """Whether ``msg`` was queued within ``timeout``."""

@@ -13,10 +13,12 @@ executor failed), ``stopping`` and the final ``bye``, ``N<node id>`` control for
 node (welcome, reject, or dropped: welcomed, then silent too long), ``N<node id>R``
 calls sent again to a node that lost them, ``R<session>P``/``HP`` probes. Messages
 on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
-``["subscribed", node_id]``, ``["hb", node_rank, last call relayed]``, ``["died",
-node_rank, rank, exitcode]``, ``["gap", node_rank, expected_seq, got_seq]``,
-``["refused", node_id, reason]``, ``["status", token]``, or a worker reply ``[rank,
-seq, status, value]``.
+``["subscribed", node_id]``, ``["refused", node_id, reason]``, ``["status",
+token]``, a member's ``["hb", node_rank, session, last call relayed]``, ``["died",
+node_rank, session, rank, exitcode]``, ``["gap", node_rank, session, expected_seq,
+got_seq]`` and ``["leaving", node_rank, session, reason]`` (the session its welcome
+named: another leader's is dropped), or a worker reply ``[rank, seq, status,
+value]``.
 
 Joining: a follower subscribes to ``H`` and its own ``N<id>``, then sends ``join``
 until welcomed, and then to ``R<session>``; the leader's side is

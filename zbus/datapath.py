@@ -602,8 +602,8 @@ class DataPath:
         if kind in ("hb", "gap", "leaving"):
             return len(msg) > 1 and type(msg[1]) is int and msg[1] == node_rank
         if kind == "died":
-            return len(msg) > 2 and type(msg[1]) is type(msg[2]) is int and msg[1] == node_rank \
-                and msg[2] in ranks
+            return len(msg) > 3 and type(msg[1]) is type(msg[3]) is int and msg[1] == node_rank \
+                and msg[3] in ranks
         if kind == "join" and len(msg) == 3 and isinstance(msg[2], dict):
             if any_rank(msg[2].get("node_rank")):
                 msg[2]["node_rank"] = node_rank  # the key decides which free rank it takes
@@ -636,6 +636,7 @@ class DataPath:
         declared shape), ``shape`` (not a non-empty list), ``unknown-rank`` (a reply
         for no remote rank), ``unknown-kind``, ``bad-join``, ``join-flood``,
         ``late-join`` (a join once the cluster formed: refused), ``stray-refused``,
+        ``other-session`` (a member's message naming another leader's session),
         ``bad-status``, ``not-owner`` (a key speaking for another node),
         ``handler`` / ``io-loop`` (a message that broke its handler),
         ``backlog`` (too many control messages waiting), ``unreadable``."""

@@ -43,6 +43,9 @@ from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+# A member's messages name its leader's session: an orphan of a leader that died
+# (its node may not have noticed yet) reaches one restarted at the same address.
+MEMBER_KINDS = ("hb", "died", "leaving", "gap")
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
 # The types of the join fields a node sends (``NodeAgent._join``); node_rank may be None.
 JOIN_TYPES = {"version": int, "nproc": int, "host": str, "address": str, "node_rank": int, "pid": int}
@@ -388,6 +391,12 @@ class Membership:
         """A node's message that is no reply: a heartbeat (from the thread that read
         it), else on the I/O thread."""
         kind = msg[0]
+        if kind in MEMBER_KINDS:  # [kind, node rank, session, ...]
+            if len(msg) < 3 or type(msg[2]) is not str or msg[2] != self.session:
+                self.path.drop(f"a {kind} message of another leader's node (a leader before this one "
+                               "at its address?)", "other-session")
+                return
+            del msg[2]
         if kind == "hb" and len(msg) in (2, 3):  # from a node still being probed: nothing to do
             node = self.nodes.get(msg[1]) if type(msg[1]) is int else None
             if node is not None:

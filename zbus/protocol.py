@@ -37,7 +37,8 @@ from .errors import CodecError
 # Checked at a node's join: 2: calls say which replies the driver has; heartbeats
 # name the last call relayed. 3: the leader's heartbeats name its session, which
 # its welcome gave. 4: its calls go on the topic of its session (cluster.rpc_topic).
-PROTOCOL_VERSION = 4
+# 5: a member's heartbeats, deaths, gaps and leaving name that session too.
+PROTOCOL_VERSION = 5
 CALL, STOP = 1, 2
 MAX_ENVELOPE = 65536  # bytes: a method's name and five ints
 NO_ARGS = codec.encode(((), {}))[0]  # the arguments of most calls, encoded once
