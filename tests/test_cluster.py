@@ -1448,7 +1448,7 @@ def test_a_failed_executor_ends_a_node_whose_relay_waits_on_a_stuck_worker():
     """Node 2's worker is stuck in a call and more calls than its ring holds wait
     behind it, so its agent waits for room in the ring. Then node 1's worker dies:
     node 2 still hears ``failed`` and ends at once. Sabotage: leave what the relay
-    reads ahead for later (no ``_ends_now`` in ``NodeAgent._read_ahead``): node 2
+    reads ahead for later (no ``self._ends(msg)`` in ``NodeAgent._read_ahead``): node 2
     holds its worker until the driver shuts down."""
     with leader_and_two_followers() as (ex, procs, node2):
         stuck = ex.collective_rpc("sleep_on_node", args=(2, 60), non_block=True)
@@ -1701,13 +1701,17 @@ def test_a_follower_waiting_to_join_keeps_its_health_file_fresh(tmp_path):
         end_process(proc)
 
 
-def test_the_calls_a_node_holds_after_lost_ones_are_bounded_in_bytes():
-    """Call 2 never reaches node 1 (a reset connection), and 1 MiB calls follow:
+@pytest.mark.parametrize("in_parts", [False, True], ids=["whole", "in_parts"])
+def test_the_calls_a_node_holds_after_lost_ones_are_bounded_in_bytes(in_parts):
+    """Call 2 never reaches node 1 (a reset connection), and 2 MiB calls follow:
     node 1 holds them until the lost one comes again, at most ``BACKLOG_BYTES``
     (4 MiB here), then leaves, saying why. Before, only their count was bounded
     (1024: 64 GiB of 64 MiB weight chunks), and node 1 held all 12 until the
     leader's answer ended it. Sabotage: no byte count in ``NodeAgent._relay`` ->
-    node 1 exits 0 on the leader's ``failed``, never saying "too many calls held"."""
+    node 1 exits 0 on the leader's ``failed``, never saying "too many calls held".
+    ``in_parts``: calls cut in 1 MiB parts, as a keyed link carries them; a frame
+    in parts was counted as its number of parts (2 "bytes" a call), and node 1
+    held them all (sabotage: ``len(f)`` for each frame in ``_call_bytes``)."""
     from zbus import protocol
     from zbus.queues import deadline_of, send_frames
 
@@ -1720,7 +1724,10 @@ def test_the_calls_a_node_holds_after_lost_ones_are_bounded_in_bytes():
             lead, first = ex._leader, ex._leader.path.sent_seq + 2  # sent_seq + 1 is "lost"
             with lead.xpub_lock:  # all 12 queued before the leader answers node 1's ask
                 for seq in range(first, first + 12):
-                    call = [lead.rpc_topic, protocol.call_envelope(seq, "noop", -1, 1), bytes(2**20)]
+                    frames = [protocol.call_envelope(seq, "noop", -1, 1), bytes(2 << 20)]
+                    counts, parts = protocol.in_parts(frames) if in_parts else (b"", frames)
+                    call = [lead.rpc_topic + protocol.PARTS, counts, *parts] if in_parts \
+                        else [lead.rpc_topic, *frames]
                     send_frames(lead.path.bcast.xpub, call, deadline_of(10), "a test call")
             assert proc.wait(20) == 1
         wait_until(lambda: log.has("too many calls held"), 5, "node 1 saying why it left")

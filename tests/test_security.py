@@ -877,14 +877,14 @@ class PosingLeader:
     EchoWorker) that joins them: what a leader, or one posing as it without keys,
     may send a follower."""
 
-    def __init__(self, env: dict | None = None) -> None:
+    def __init__(self, env: dict | None = None, first: str = "") -> None:
         port = free_port_pair()
         self.ctx = zmq.Context()
         self.xpub, self.pull = self.ctx.socket(zmq.XPUB), self.ctx.socket(zmq.PULL)
         self.xpub.bind(f"tcp://127.0.0.1:{port}")
         self.pull.bind(f"tcp://127.0.0.1:{port + 1}")
         self.reply_address = f"tcp://127.0.0.1:{port + 1}"
-        self.proc = follower(port, "--node-rank", "1", env=env)
+        self.proc = follower(port, "--node-rank", "1", env=env, first=first)
 
     def join(self) -> None:
         """Take the follower's join, and wait until its node topic is subscribed."""
@@ -1092,6 +1092,67 @@ def test_a_follower_writing_lost_calls_to_slow_workers_waits_for_them(lost):
             (leaving, replies, ended, leading.proc.stderr.read()[-3000:] if ended is not None else "")
         assert asked == [[n, n + 1] for n in lost], asked
         leading.bye()
+    finally:
+        leading.close()
+
+
+def relay_waiting_on_a_long_call(leading: PosingLeader, seconds: float) -> None:
+    """Call 1 sleeps ``seconds`` on the follower's worker, and calls 2 to 9 follow,
+    more than its ring (64Kx4) holds: its agent waits for room, reading ahead."""
+    leading.call(1, "sleep", seconds)
+    for seq in range(2, 10):
+        leading.call(seq, "noop")
+
+
+def test_a_relay_waiting_on_a_long_call_keeps_its_leader_on_heartbeats_alone():
+    """The follower's relay waits for room behind a 4 s call, and only the leader's
+    heartbeats come (every 0.1 s, liveness 1 s): they took a place each in what the
+    agent reads ahead, which filled (8 here, 1024 by default: 34 minutes of
+    heartbeats at the default limit); the agent then stopped reading and took its
+    live leader for lost. A heartbeat held right after another now replaces it.
+    Sabotage: no ``if self._held_hb`` replacement in ``NodeAgent._read_ahead`` ->
+    the follower exits 1 ("no heartbeat") before call 1 is answered."""
+    leading = PosingLeader(env={"ZBUS_RING": "64Kx4"},
+                           first="import zbus.agent\nzbus.agent.BACKLOG_MESSAGES = 8")
+    try:
+        leading.welcome(liveness_s=1.0)
+        relay_waiting_on_a_long_call(leading, 4.0)
+        replies, next_hb, deadline = set(), 0.0, time.monotonic() + 30
+        while len(replies) < 9 and leading.proc.poll() is None and time.monotonic() < deadline:
+            if time.monotonic() >= next_hb:
+                leading.xpub.send_multipart([b"H", *codec.encode(["hb", 9, "s1"])])
+                next_hb = time.monotonic() + 0.1
+            msg = leading.receive(50) or [None]
+            if msg[0] == 1 and msg[1] != protocol.READY:
+                replies.add(msg[1])
+        assert leading.proc.poll() is None, leading.proc.stderr.read()[-3000:]
+        assert replies == set(range(1, 10)), replies
+        leading.bye()
+    finally:
+        leading.close()
+
+
+def test_a_relay_waiting_on_a_long_call_sees_another_leaders_heartbeat_at_once():
+    """The follower's relay waits for room behind a 30 s call when a heartbeat of
+    another leader (one restarted at its leader's address) comes: it waited its
+    turn behind the calls read ahead, and every message read counted as its
+    leader alive, so the node held its GPUs for the whole call. Its session is
+    checked as it is read now: the follower exits 1 at once. Sabotage: no
+    ``self._check_leader(msg[2])`` in ``NodeAgent._read_ahead`` -> still running
+    after 8 s."""
+    leading = PosingLeader(env={"ZBUS_RING": "64Kx4"})
+    try:
+        leading.welcome()
+        relay_waiting_on_a_long_call(leading, 30.0)
+
+        def relay_waiting() -> bool:  # its heartbeats name the last call relayed (every 2 s)
+            leading.xpub.send_multipart([b"H", *codec.encode(["hb", 9, "s1"])])
+            msg = leading.receive(200) or [None]
+            return msg[0] == "hb" and msg[3] >= 5
+        wait_until(relay_waiting, 20, "the relay waiting for room in the ring")
+        leading.xpub.send_multipart([b"H", *codec.encode(["hb", 1, "s2"])])
+        assert leading.proc.wait(8) == 1
+        assert "another leader at 127.0.0.1" in leading.proc.stderr.read()
     finally:
         leading.close()
 

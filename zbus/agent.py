@@ -181,6 +181,7 @@ class NodeAgent:
         self._dead: dict[int, int | None] = {}  # rank -> exit code, reported to the leader
         self._backlog: collections.deque = collections.deque()
         self._backlog_bytes = 0
+        self._held_hb = False  # the last message in the backlog is a heartbeat
         self._last_seq = 0  # calls start at 1, once every node joined
         self._writing: int | None = None  # the call being written into the ring
         self._ring_unnamed = False
@@ -531,31 +532,36 @@ class NodeAgent:
             return self._read()
         frames = self._backlog.popleft()
         self._backlog_bytes -= sum(len(f) for f in frames)
+        self._held_hb = self._held_hb and bool(self._backlog)
         return frames
 
     def _read_ahead(self) -> None:
         """While a relay waits for slow workers, keep reading what the leader sends
-        (bounded), so its heartbeats are seen and this node is not given up."""
+        (bounded), so its heartbeats are seen and this node is not given up. The
+        leader's word for this node counts at once (``failed``, ``bye``: workers
+        stuck in a call must not hold their GPUs until the backlog is full), and so
+        does a heartbeat's session; the rest waits its turn (a heartbeat names calls
+        read ahead). A heartbeat held right after another replaces it (it says all
+        that one said): a long call's heartbeats alone never fill the backlog."""
         end = time.monotonic() + READ_AHEAD_S
         # a short wait: ZeroMQ refills the socket's queue (64 messages) meanwhile
         while self.sub.poll(max(0, int((end - time.monotonic()) * 1000)), zmq.POLLIN):
             if len(self._backlog) >= BACKLOG_MESSAGES or self._backlog_bytes >= BACKLOG_BYTES:
                 return  # unread messages prove nothing: a dead leader's socket stays readable
             frames = self._read()
-            if self._ends_now(frames):  # the calls waiting for this relay will never be read
+            topic = bytes(frames[0])
+            msg = self._decode(frames[1:]) if topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id) \
+                else None
+            heartbeat = type(msg) is list and len(msg) == 3 and msg[0] == "hb"
+            if heartbeat:
+                self._check_leader(msg[2])
+                if self._held_hb:
+                    self._backlog_bytes -= sum(len(f) for f in self._backlog.pop())
+            elif msg is not None and self._ends(msg):  # the calls waiting for this relay are moot
                 raise NodeEnded(0)
+            self._held_hb = heartbeat
             self._backlog_bytes += sum(len(f) for f in frames)
             self._backlog.append(frames)
-
-    def _ends_now(self, frames: list) -> bool:
-        """Whether a message read ahead ends the node (``failed``, ``bye``): workers
-        stuck in a call must not hold their GPUs until the backlog is full. Others,
-        heartbeats among them, wait their turn (a heartbeat names calls read ahead)."""
-        topic = bytes(frames[0])
-        if topic != TOPIC_HEARTBEAT and topic != node_topic(self.node_id):
-            return False
-        msg = self._decode(frames[1:])
-        return not (type(msg) is list and msg[:1] == ["hb"]) and self._ends(msg)
 
     @staticmethod
     def _call_frames(topic: bytes, frames: list) -> list:
@@ -580,7 +586,7 @@ class NodeAgent:
             if len(gap["held"]) >= BACKLOG_MESSAGES or gap["bytes"] >= BACKLOG_BYTES:
                 raise ZbusError("too many calls held while lost ones are sent again: leaving the cluster")
             gap["held"].append((seq, frames))
-            gap["bytes"] += sum(len(f) for f in frames)
+            gap["bytes"] += _call_bytes(frames)
             return
         self._write(frames, seq)
         self._release_held()
@@ -589,7 +595,7 @@ class NodeAgent:
         gap = self._gap
         while gap is not None and gap["held"] and gap["held"][0][0] <= self._last_seq + 1:
             seq, frames = gap["held"].popleft()
-            gap["bytes"] -= sum(len(f) for f in frames)
+            gap["bytes"] -= _call_bytes(frames)
             if seq == self._last_seq + 1:
                 self._write(frames, seq)
         if gap is not None and not gap["held"] and self._last_seq >= gap["upto"] - 1:
@@ -706,6 +712,11 @@ class NodeAgent:
             self.ctx.term()
             os.close(self._death_r)
             os.close(self._death_w)
+
+
+def _call_bytes(frames: list) -> int:
+    """The bytes of a call's frames (one cut in parts is a tuple of them)."""
+    return sum(memoryview(p).nbytes for f in frames for p in (f if type(f) is tuple else (f,)))
 
 
 def _call_seq(envelope: Any) -> int | None:
