@@ -370,10 +370,10 @@ def test_small_messages_that_would_decode_into_millions_of_objects_stall_no_read
 
     decoded_big, decode = [], codec.decode
 
-    def counted(frames, max_bytes=None):  # (what the leader decodes, counted: nothing else changes)
+    def counted(frames, max_bytes=None, plain=False):  # (what the leader decodes, counted: no change)
         if len(frames[0]) > 60_000:
             decoded_big.append(len(frames[0]))
-        return decode(frames, max_bytes)
+        return decode(frames, max_bytes, plain)
 
     monkeypatch.setattr(codec, "decode", counted)
     port = free_port_pair()

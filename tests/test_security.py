@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
 import random
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,7 +21,7 @@ import pytest
 import torch
 import workers
 import zmq
-from conftest import end_process, wait_until
+from conftest import TEST_PATH, end_process, wait_until
 from test_cluster import follower, free_port_pair
 
 import zbus
@@ -317,7 +320,15 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
             batch("other sessions", [codec.encode(["leaving", 1, "0" * 16, "an orphan"]),
                                      codec.encode(["died", 1, None, 1, 9]), codec.encode(["hb", 1]),
                                      codec.encode(["gap", 1, [session], 1, 2])], {"other-session": 4})
-            batch("a head no == can judge", [codec.encode([np.array([1, 2]), 0])], {"handler": 1})
+            # a node's control message holds plain data: a tensor, array or registered type
+            # in one is refused unbuilt (an array token was taken for a bad status, and an
+            # array head, whose == has no truth value, broke its handler)
+            batch("typed values", [codec.encode(["status", np.array([1, 2])]),
+                                   codec.encode([np.array([1, 2]), 0]),
+                                   [raw("status", ext(codec._TENSOR, "float32", [1], None, None))],
+                                   [raw("died", 1, session, ext(codec._DATACLASS, "x", {}), 0)],
+                                   [raw("leaving", 1, session, ext(codec._OBJECT, "vllm:X", None))]],
+                  {"undecodable": 5})
             # a well-formed join once formed is refused with an answer, and counted; an id
             # not of hex digits is malformed: a member's id + "R*" would have its answer
             # reach that member as a call in parts (a topic is a prefix)
@@ -354,6 +365,36 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
     finally:
         ctx.destroy(linger=0)
         end_process(proc)
+
+
+def test_a_control_message_holding_a_tensor_makes_the_leader_load_nothing():
+    """A 17-byte status request whose token is a tensor made the thread reading
+    the leader's PULL socket import torch (seconds, with the socket held, on a
+    leader that had not loaded it) before the tensor was judged. A node's control
+    message is decoded as plain data now, and the tensor refused unbuilt. The
+    leader runs in a process of its own, without torch. Sabotage: decode control
+    messages with ``plain=False`` in ``DataPath._recv_control`` -> torch loaded."""
+    script = f"""
+import json, sys, time, zmq, msgpack
+sys.path[:0] = {TEST_PATH.split(os.pathsep)!r}
+from test_cluster import bare_leader
+lead, port = bare_leader(nnodes=2)
+lead.start()
+push = zmq.Context.instance().socket(zmq.PUSH)
+push.connect(f"tcp://127.0.0.1:{{port + 1}}")
+tensor = msgpack.ExtType(2, msgpack.packb(["float32", [1], None, None]))
+push.send(msgpack.packb(["status", tensor]))
+end = time.monotonic() + 20
+while lead.dropped_by.get("undecodable", 0) < 1 and time.monotonic() < end:
+    time.sleep(0.02)
+print(json.dumps({{"dropped": lead.dropped_by, "torch": "torch" in sys.modules}}))
+push.close(linger=0)
+lead.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got == {"dropped": {"undecodable": 1}, "torch": False}, (got, out.stderr[-2000:])
 
 
 def test_follower_exposes_no_port():
@@ -495,10 +536,13 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
 def test_a_join_whose_rank_no_comparison_can_judge_does_not_stop_formation():
     """During formation a peer joins as node "evil" with a numpy array for its rank,
     and subscribes to its node topic so that the join is up for a welcome: it is
-    dropped as ``bad-join``, and the real node joins after it. Sabotage: no
-    ``_join_types`` check in ``Membership._on_join``: every welcome check raises on
-    ``rank in (None, -1)``, the poisoned join is never removed, and the real node is
-    never welcomed (the executor's start times out)."""
+    dropped, and the real node joins after it. Since 2026-12-07 a node's control
+    message is decoded as plain data, and the array refused (``undecodable``);
+    before, ``Membership._join_types`` dropped it as ``bad-join``. Sabotage: both
+    gone (``plain=False`` in ``DataPath._recv_control``, no ``_join_types`` check
+    in ``Membership._on_join``): every welcome check raises on ``rank in (None,
+    -1)``, the poisoned join is never removed, and the real node is never welcomed
+    (the executor's start times out)."""
     port = free_port_pair()
     ctx = zmq.Context()
     leading = LeaderThread(port, join_timeout=25)
@@ -526,7 +570,7 @@ def test_a_join_whose_rank_no_comparison_can_judge_does_not_stop_formation():
         assert leading.ex is not None, leading.error
         with leading.ex as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
-            assert ex._leader.dropped_by.get("bad-join") == 1, ex._leader.dropped_by
+            assert ex._leader.dropped_by.get("undecodable") == 1, ex._leader.dropped_by
             assert "handler" not in ex._leader.dropped_by
     finally:
         leading.close()
@@ -830,10 +874,12 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
     fails with a ZbusError that says so, and the executor serves on. Sabotage:
     read ``value.type_name`` of any error reply in ``Call.finish`` (as before):
     AttributeError in the thread completing the call, the executor fails with
-    "completing calls failed". A reply whose status is a numpy array is dropped
-    as ``shape`` and its call gets the real replies. Sabotage: drop the status's
-    type check in ``DataPath._file_reply`` and ``Call.finish``: ValueError on the
-    completer fails the executor. A refusal whose reason is a 64 KiB tensor fails
+    "completing calls failed". A reply whose status is no int (a float, equal to
+    OK) is dropped as ``shape`` and its call gets the real replies (one whose
+    status is a numpy array, whose ``==`` has no truth value, failed the
+    executor; it is undecodable now, as a message that is no reply holds plain
+    data alone). Sabotage: drop the status's type check in
+    ``DataPath._file_reply``: the call's result is "forged". A refusal whose reason is a 64 KiB tensor fails
     its call with a short error. Sabotage: ``str`` of the reason (as before) -> an
     error of 1 MB, made under the reply lock."""
     port = free_port_pair()
@@ -850,10 +896,10 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
             error = slow.exception(timeout=30)
             assert isinstance(error, zbus.ZbusError) and "malformed reply" in str(error), repr(error)
             assert "rank 1" in str(error)
-            # a status whose == has no truth value (an array): dropped, the call completes
+            # a status that is no int: dropped, the call completes
             later = ex.collective_rpc("later", args=("y", 1.0), non_block=True)
             before = ex._leader.dropped_by.get("shape", 0)
-            push.send_multipart(codec.encode([1, later.seq, np.array([0, 0]), "forged"]))
+            push.send_multipart(codec.encode([1, later.seq, 0.0, "forged"]))
             wait_until(lambda: ex._leader.dropped_by.get("shape", 0) > before, 20, "the forged reply dropped")
             assert later.result(30) == ["y", "y"]
             # a refusal whose reason is a tensor: named, not printed (MiBs, seconds)

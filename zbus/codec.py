@@ -5,7 +5,9 @@ and the raw data of large buffers (tensors, arrays, big bytes) as separate
 zero-copy views, so a transport can send them without concatenating.
 ``decode(frames)`` turns them back into plain data. Decoding never imports a
 module or runs code the sender names: extension types map to a fixed table, dtypes
-to a whitelist, and dataclasses to the ones registered with :func:`register`.
+to a whitelist, and dataclasses to the ones registered with :func:`register`
+(torch or numpy is loaded when a tensor or an array comes; ``plain=True`` takes
+plain data alone, as a message that should hold nothing else is decoded).
 
 Supported: None, bool, int, float, str, bytes, bytearray, memoryview, list, tuple
 (kept as tuple), dict, ``torch.Tensor`` (CPU, ``TENSOR_DTYPES``, any layout, 0-d included),
@@ -34,6 +36,7 @@ from .shm import core as _core
 
 # Extension type codes: part of the wire format.
 _TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT = 1, 2, 3, 4, 5, 6, 7
+_PLAIN_EXTS = (_TUPLE, _BYTES, _EXCEPTION)  # what decode(plain=True) takes
 _BYTES_KINDS = {0: bytes, 1: bytearray, 2: memoryview}
 OOB_THRESHOLD = 16 * 1024  # byte strings at least this long travel as their own frame
 MAX_MESSAGE = size_setting("ZBUS_MAX_MESSAGE", 4 * 2**30)
@@ -318,10 +321,11 @@ def encode(obj: Any) -> list[Any]:
 
 
 class _Decoder:
-    __slots__ = ("frames", "used", "budget", "hashes", "collisions")
+    __slots__ = ("frames", "used", "budget", "hashes", "collisions", "plain")
 
-    def __init__(self, frames: Sequence[Any], budget: int) -> None:
+    def __init__(self, frames: Sequence[Any], budget: int, plain: bool = False) -> None:
         self.frames = frames
+        self.plain = plain
         self.used: set[int] = set()
         self.budget = budget
         self.hashes: dict[int, Any] = {}  # the first tuple or object of each hash
@@ -363,6 +367,9 @@ class _Decoder:
             # msgpack unpacker (tens of KiB of C stack) per level the depth check
             # counts: 64, a crash on a thread stack of 2 MiB; a list between keeps it to 32.
             raise CodecError(f"extension type {code} right inside another")
+        if self.plain and code not in _PLAIN_EXTS:
+            raise CodecError(f"extension type {code} (a tensor, array or registered type) where plain "
+                             "data alone may come")
         body = self.unpack(data)
         if code == _TUPLE and type(body) is list:
             return self._count_hash(tuple(body))
@@ -490,10 +497,12 @@ class _Decoder:
             raise CodecError(f"cannot build {body[0][:200]}: {type(e).__name__}: {str(e)[:200]}") from e
 
 
-def decode(frames: Sequence[Any], max_bytes: int | None = None) -> Any:
+def decode(frames: Sequence[Any], max_bytes: int | None = None, plain: bool = False) -> Any:
     """Decode frames made by :func:`encode`. Raises :class:`CodecError` on anything
     malformed, truncated, unknown, nested deeper than ``MAX_DEPTH`` or larger than
-    ``max_bytes`` (default ``ZBUS_MAX_MESSAGE``, 4 GiB).
+    ``max_bytes`` (default ``ZBUS_MAX_MESSAGE``, 4 GiB); with ``plain``, on a
+    tensor, an array or a registered type too (tuples, bytes and exceptions pass):
+    nothing is loaded or built for them.
 
     Each buffer frame is used at most once, and what decoding copies (read-only
     frames, extension bodies, bytearrays) stays within ``BUDGET_FACTOR`` times the
@@ -508,7 +517,7 @@ def decode(frames: Sequence[Any], max_bytes: int | None = None) -> Any:
     if size > limit:
         raise CodecError(f"message of {size} bytes exceeds the limit of {limit} bytes")
     try:  # (msgpack reads the checked copy: a shared page may change after the check)
-        return _Decoder(views, BUDGET_FACTOR * size + 2**20).unpack(_check_header(views[0]))
+        return _Decoder(views, BUDGET_FACTOR * size + 2**20, plain).unpack(_check_header(views[0]))
     except CodecError:
         raise
     except Exception as e:  # msgpack raises several types on bad input; none may escape

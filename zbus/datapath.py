@@ -574,7 +574,9 @@ class DataPath:
                     self.drop(f"a message that would decode into more than {MAX_CONTROL_MESSAGE} bytes",
                               "too-big")
                     return None
-                msg = codec.decode(frames, self.max_reply)
+                # (plain: no node's control message holds a tensor, array or registered
+                # type, and none may make this thread load torch or build one)
+                msg = codec.decode(frames, self.max_reply, plain=True)
         except CodecError as e:
             self.drop(f"a malformed message from the network: {e}", "undecodable")
             return None
