@@ -1759,6 +1759,29 @@ def test_a_send_cut_short_by_ctrl_c_is_finished_whole_by_the_next_flush():
         writer.close()
 
 
+def test_a_ctrl_c_as_a_streamed_message_is_all_written_comes_out_as_itself():
+    """A Ctrl-C that lands as ``send``'s flush of a streamed message returns, the
+    message all written, comes out as KeyboardInterrupt and leaves nothing
+    pending. Before, ``send`` read the pending state the flush had just cleared:
+    TypeError, in place of the Ctrl-C. Sabotage: no ``if self._pending is None``
+    in ``RingWriter.send``'s handler -> TypeError."""
+    writer = RingWriter.create(1, RingGeometry(2**20, 8))
+    flushes, flush = [], writer.flush
+
+    def flush_then_ctrl_c(*args, **kwargs):  # (the first flush finds nothing pending)
+        flush(*args, **kwargs)
+        flushes.append(1)
+        if len(flushes) == 2:
+            raise KeyboardInterrupt
+    writer.flush = flush_then_ctrl_c
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            writer.send([bytes(3 * 2**20)], timeout=10)
+        assert len(flushes) == 2 and not writer.pending
+    finally:
+        writer.close()
+
+
 def test_a_receive_cut_short_by_ctrl_c_carries_on_where_it_stopped():
     """Ctrl-C lands in ``recv`` while messages of 3 frames of 1.5 MB stream out of a
     1 MiB x 8 ring; the reader receives again. Every message comes whole and in

@@ -330,6 +330,8 @@ class RingWriter(_Ring):
         try:
             self.flush(deadline, cancel, on_full)
         except BaseException as e:
+            if self._pending is None:  # all written: the signal landed as the flush returned
+                raise
             # The rest goes later: copy it now, the caller may change its buffers.
             pieces, i, off, left = self._pending
             rest = [pieces[i][off:], *pieces[i + 1:]] if i < len(pieces) else []
