@@ -260,6 +260,22 @@ def next_line(proc: subprocess.Popen, deadline: float) -> str:
         raise AssertionError(f"no line from process {proc.pid} in time") from None
 
 
+def no_thread_to_be_had(monkeypatch, name: str, times: int = 10**6) -> list:
+    """Starts of threads named ``name`` fail, as at a pids limit, ``times`` times;
+    the list of those refused."""
+    refused: list = []
+
+    class NoThreadToBeHad(threading.Thread):
+        def start(self) -> None:
+            if self.name == name and len(refused) < times:
+                refused.append(self)
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", NoThreadToBeHad)
+    return refused
+
+
 def end_process(proc: psutil.Popen, timeout: float = 10) -> None:
     """End a process the test started, by pid: wait, then kill."""
     try:

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import workers
 import zmq
-from conftest import TEST_PATH, end_process, shm_used, wait_until, zbus_segments
+from conftest import TEST_PATH, end_process, no_thread_to_be_had, shm_used, wait_until, zbus_segments
 
 import zbus
 from zbus import codec, shm
@@ -781,6 +781,24 @@ def bare_leader(nnodes: int):
     settings = ClusterSettings(nnodes=nnodes, nproc_per_node=1, master_addr="127.0.0.1", master_port=port,
                                liveness_s=1.0)
     return Leader(settings, lambda **kw: Broadcaster(0, **kw)), port
+
+
+def test_a_leader_whose_io_thread_cannot_start_frees_its_ports(monkeypatch):
+    """The leader's I/O thread cannot start (a pids limit): the executor's start
+    fails with that error, and the leader's ports are free again. Before, the
+    thread was kept unstarted, and the leader's close raised at its join
+    ("cannot join thread before it is started", in place of the real error),
+    in the step that closes the sockets. Sabotage: keep the thread before its
+    start in ``Membership.start`` -> that error."""
+    port = free_port_pair()
+    refused = no_thread_to_be_had(monkeypatch, "zbus-leader-io")
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        leader(port, nnodes=2, join_timeout=5)
+    monkeypatch.undo()
+    assert len(refused) == 1
+    for p in (port, port + 1):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
 
 
 def test_a_ctrl_c_in_the_leaders_close_still_frees_its_ports():

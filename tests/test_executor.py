@@ -17,6 +17,7 @@ import workers
 from conftest import (
     end_process,
     live_children,
+    no_thread_to_be_had,
     own_segments,
     seconds_to_ctrl_c,
     shm_used,
@@ -866,6 +867,30 @@ def test_an_inproc_callback_on_the_reply_thread_waiting_for_a_later_reply_gets_a
         ex.shutdown()
 
 
+def test_a_completer_thread_not_to_be_had_loses_no_future_and_stops_no_shutdown(monkeypatch):
+    """The thread that completes futures by themselves cannot start (a pids limit):
+    the call goes out, its future is the caller's and completes when read; the
+    next call starts the thread, and its future completes by itself; the shutdown
+    stops every worker cleanly. Before, the thread was kept unstarted: the call
+    raised RuntimeError (its future lost), no future ever completed by itself
+    again, and ``shutdown()`` raised ("cannot join thread before it is started")
+    before it stopped the workers, which were killed. Sabotage: keep the thread
+    before its start in ``Completer._start`` (and let the error out)."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    try:
+        refused = no_thread_to_be_had(monkeypatch, "zbus-completer", times=1)
+        first = ex.collective_rpc("rank_value", args=(1,), non_block=True)
+        assert len(refused) == 1
+        assert first.result(timeout=30) == [10, 11]
+        second = ex.collective_rpc("rank_value", args=(2,), non_block=True)
+        wait_until(second.done, 10, "the second future done by itself")
+        assert second.result(0) == [20, 21]
+    finally:
+        monkeypatch.undo()
+        ex.shutdown()
+    assert [p.returncode for p in ex._workers.procs] == [0, 0]
+
+
 def test_a_worker_death_fails_the_pending_calls_with_no_thread_to_be_had(tmp_path, monkeypatch):
     """A worker dies while the process can start no thread (a pids limit reached):
     the thread that would end the other workers at once does not start, and the
@@ -879,13 +904,7 @@ def test_a_worker_death_fails_the_pending_calls_with_no_thread_to_be_had(tmp_pat
         pending = ex.collective_rpc("sleep_marked", args=(str(mark), 30), non_block=True)
         wait_until(lambda: os.path.exists(f"{mark}.1"), 30, "rank 1 inside the call")
 
-        class NoThreadToBeHad(threading.Thread):
-            def start(self) -> None:
-                if self.name == "zbus-end-workers":
-                    raise RuntimeError("can't start new thread")
-                super().start()
-
-        monkeypatch.setattr(threading, "Thread", NoThreadToBeHad)
+        no_thread_to_be_had(monkeypatch, "zbus-end-workers")
         ex._workers.procs[1].send_signal(signal.SIGKILL)
         with pytest.raises(zbus.WorkerDiedError):
             pending.result(timeout=10)

@@ -655,8 +655,13 @@ class Completer:
 
     def _start(self) -> None:  # the condition held
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="zbus-completer", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name="zbus-completer", daemon=True)
+            try:
+                thread.start()
+                self._thread = thread
+            except RuntimeError as e:  # no thread to be had (a pids limit): the next call tries
+                log.warning("cannot start the thread that completes futures (%s): they complete "
+                            "when read", e)
         self._cond.notify()
 
     def _done(self, _future: RpcFuture) -> None:

@@ -309,8 +309,9 @@ class Membership:
     # --- the I/O thread ----------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="zbus-leader-io", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="zbus-leader-io", daemon=True)
+        thread.start()
+        self._thread = thread  # (only once started: stop() joins it)
 
     def stop(self) -> None:
         """End the I/O thread (it wakes every 50 ms at most)."""

@@ -126,8 +126,9 @@ class ReplyPipe:
                 return
             self._queue.append((seq, result, status))
             if self.thread is None:
-                self.thread = threading.Thread(target=self._drain, name="zbus-replies", daemon=True)
-                self.thread.start()
+                thread = threading.Thread(target=self._drain, name="zbus-replies", daemon=True)
+                thread.start()
+                self.thread = thread  # (only once started: a later reply tries again)
             self._cond.notify()
 
     def close(self) -> None:
