@@ -783,6 +783,58 @@ def bare_leader(nnodes: int):
     return Leader(settings, lambda **kw: Broadcaster(0, **kw)), port
 
 
+@pytest.mark.parametrize("when", ["decoding", "taken"])
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_ctrl_c_as_a_reply_is_taken_loses_no_reply(where, when, monkeypatch):
+    """A Ctrl-C (KeyboardInterrupt) lands as a reply is decoded, after it was read
+    (a reply of tensors or dataclasses takes a while), or once decoded, before the
+    executor kept it: the call is cut short, and the executor serves on, the next
+    call answered right. Before, the reply was lost: the next call's reply was
+    taken for it, and the executor failed with a protocol error (at once from a
+    local rank, after the grace for a remote one). A reply is now kept by its
+    receiver until the executor took it. Sabotage: read the ring again in
+    ``ShmReceiver.get`` (no ``if self._frames is None``) -> local decoding fails;
+    ``given_again`` always False -> remote decoding and both ``taken`` fail."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1") if where == "remote" else None
+    try:
+        ex = leader(port, nnodes=2, join_timeout=60) if proc else zbus.Executor(workers.EchoWorker)
+        victim, armed = (1 if proc else 0), [True]
+
+        def ctrl_c_once(reply):
+            if armed and threading.current_thread() is threading.main_thread() \
+                    and type(reply) is list and reply[:1] == [victim]:
+                armed.clear()
+                raise KeyboardInterrupt
+        decode, accept = codec.decode, ex._accept
+
+        def decode_then_ctrl_c(*args, **kwargs):
+            reply = decode(*args, **kwargs)
+            ctrl_c_once(reply)
+            return reply
+
+        def ctrl_c_then_accept(head, rank, reply):
+            ctrl_c_once(reply)
+            accept(head, rank, reply)
+        if when == "decoding":
+            monkeypatch.setattr(codec, "decode", decode_then_ctrl_c)
+        else:
+            monkeypatch.setattr(ex, "_accept", ctrl_c_then_accept)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ex.collective_rpc("rank_value", args=(1,), timeout=30)
+            assert not armed
+            want = [20 + rank for rank in range(ex.world_size)]
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == want
+            ex.check_health()
+        finally:
+            monkeypatch.undo()
+            ex.shutdown()
+    finally:
+        if proc is not None:
+            end_process(proc)
+
+
 def test_a_leader_whose_io_thread_cannot_start_frees_its_ports(monkeypatch):
     """The leader's I/O thread cannot start (a pids limit): the executor's start
     fails with that error, and the leader's ports are free again. Before, the

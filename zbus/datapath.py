@@ -31,7 +31,7 @@ from .cluster import TOPIC_HEARTBEAT, TOPIC_RPC, ClusterSettings, any_rank, brie
 from .curve import LeaderCurve
 from .errors import CodecError, RingClosed
 from .metrics import Metrics
-from .queues import Broadcaster, deadline_of, remaining, send_frames, send_message, sent_now
+from .queues import Broadcaster, deadline_of, given_again, remaining, send_frames, send_message, sent_now
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class RemoteReceiver:
         self._replies: dict[int, Any] = {}  # call number: reply
         self._taken = protocol.READY - 1  # the last call number taken
         self._overtaken: float | None = None  # since when the wanted reply is overtaken
+        self._given: Any = None  # the reply given last, until the caller took it
         self._aborted = False
         self.again = 0  # replies dropped as copies
 
@@ -181,10 +182,14 @@ class RemoteReceiver:
                     return None
         self._overtaken = None
         self._taken = max(self._taken, seq)
-        return self._replies.pop(seq)
+        # kept until the caller took it (no call between: a Ctrl-C cannot land there)
+        self._given = reply = self._replies[seq]
+        del self._replies[seq]
+        return reply
 
     def _ready(self, want: int | None) -> bool:
-        return want in self._replies if want is not None else bool(self._replies)
+        return want in self._replies or given_again(self._given, want) if want is not None \
+            else bool(self._replies)
 
     def poll(self, want: int | None = None) -> bool:
         if not self._ready(want):
@@ -195,16 +200,24 @@ class RemoteReceiver:
         deadline = deadline_of(timeout)
         while True:
             with self._cond:
-                reply = self._take(want)
+                reply = self._given if given_again(self._given, want) else self._take(want)
                 if reply is None and self._aborted:
                     raise RingClosed(f"replies of rank {self.rank} aborted")
             if reply is not None:
-                return self._decoded(reply)  # (the condition let go: every reader files under it)
+                # (decoded with the condition let go: every reader files under it)
+                self._given = reply = self._decoded(reply)
+                return reply
             left = PUMP_SLICE_S if deadline is None else min(PUMP_SLICE_S, remaining(deadline, "reply"))
             if not self._try_read(left):  # another thread reads the socket: it files our reply
                 with self._cond:
                     if not self._ready(want) and not self._aborted:
                         self._cond.wait(left)
+
+    def taken(self) -> None:
+        """The caller keeps the reply given last: it is not given again. (Until then
+        it is, while the caller wants its call: a Ctrl-C in its decoding, or before
+        the caller kept it, loses no reply.)"""
+        self._given = None
 
     def _decoded(self, reply: list) -> list:
         """The reply with its value decoded (by this caller, no lock held); one that

@@ -1147,6 +1147,7 @@ class MultiprocExecutor(Executor):
         for rank in head.reply_ranks:
             if rank not in head.replies:
                 self._accept(head, rank, self._read_reply(head, rank, deadline))
+                self._receivers[rank].taken()  # (given again until then: see ShmReceiver.get)
         self._pending.popleft()
         self._answered = head.seq
         if self._leader is not None:  # replies to it from ranks it did not ask are dropped

@@ -353,19 +353,42 @@ class ShmSender:
         self.ring.close(unlink=False)
 
 
+def given_again(given: Any, want: int | None) -> bool:
+    """Whether ``given``, a reply given and not yet taken, is the one for call ``want``."""
+    return type(given) is list and len(given) == 4 and type(given[1]) is int and given[1] == want
+
+
 class ShmReceiver:
     """Reading end of a single-reader shared-memory response queue."""
 
     def __init__(self, ring: RingReader):
         self.ring = ring
+        self._frames: list | None = None  # a reply read, until it is decoded
+        self._given: Any = None  # the reply given last, until the caller took it
 
     def get(self, timeout: float | None = None, cancel: Any = None, want: int | None = None) -> Any:
-        """The next reply (a ring loses nothing and keeps order: ``want``, the call
-        whose reply the caller expects, changes nothing here)."""
-        return codec.decode(self.ring.recv(timeout, cancel))
+        """The next reply (a ring loses nothing and keeps order). A reply is kept
+        from its reading until the caller says it took it (:meth:`taken`), and given
+        again while ``want`` names its call: a Ctrl-C that lands in its decoding, or
+        before the caller kept it, loses no reply."""
+        if given_again(self._given, want):
+            return self._given
+        if self._frames is None:
+            self._frames = self.ring.recv(timeout, cancel)
+        try:
+            reply = codec.decode(self._frames)
+        except CodecError:
+            self._frames = None  # (its call gets the error)
+            raise
+        self._given, self._frames = reply, None
+        return reply
+
+    def taken(self) -> None:
+        """The caller keeps the reply given last: it is not given again."""
+        self._given = None
 
     def poll(self, want: int | None = None) -> bool:
-        return self.ring.poll()
+        return given_again(self._given, want) or self._frames is not None or self.ring.poll()
 
     def abort(self) -> None:
         self.ring.abort()
