@@ -947,6 +947,7 @@ class MultiprocExecutor(Executor):
 
     def _await_ready(self, rank: int, deadline: float | None) -> None:
         reply = self._receivers[rank].get(remaining(deadline, "worker start-up"))
+        self._receivers[rank].taken()
         _, seq, status, value = reply
         if seq != protocol.READY or status != protocol.OK:
             detail = getattr(value, "traceback", "") or brief(value)
@@ -1128,7 +1129,7 @@ class MultiprocExecutor(Executor):
         for rank in head.reply_ranks:
             if rank not in head.replies and self._receivers[rank].poll(head.seq):
                 try:  # the data is there: a short deadline only guards a torn read
-                    self._accept(head, rank, self._read_reply(head, rank, time.monotonic() + 0.05))
+                    self._take_reply(head, rank, time.monotonic() + 0.05)
                 except TimeoutError:
                     break
         error = head.first_error()
@@ -1146,13 +1147,19 @@ class MultiprocExecutor(Executor):
         head = self._pending[0]
         for rank in head.reply_ranks:
             if rank not in head.replies:
-                self._accept(head, rank, self._read_reply(head, rank, deadline))
-                self._receivers[rank].taken()  # (given again until then: see ShmReceiver.get)
+                self._take_reply(head, rank, deadline)
         self._pending.popleft()
         self._answered = head.seq
         if self._leader is not None:  # replies to it from ranks it did not ask are dropped
             self._leader.path.answered = head.seq
         head.finish()  # (unless settled already: by the monitor, or by an early error)
+
+    def _take_reply(self, head: Call, rank: int, deadline: float | None) -> None:
+        """Read the reply of ``rank`` to ``head`` and keep it in the call; then its
+        receiver lets it go (until then it gives it again: a Ctrl-C between the two
+        loses no reply, see ShmReceiver.get)."""
+        self._accept(head, rank, self._read_reply(head, rank, deadline))
+        self._receivers[rank].taken()
 
     def _read_reply(self, head: Call, rank: int, deadline: float | None) -> Any:
         try:
