@@ -544,8 +544,11 @@ class NodeAgent:
         read ahead). A heartbeat held right after another replaces it (it says all
         that one said): a long call's heartbeats alone never fill the backlog."""
         end = time.monotonic() + READ_AHEAD_S
-        # a short wait: ZeroMQ refills the socket's queue (64 messages) meanwhile
-        while self.sub.poll(max(0, int((end - time.monotonic()) * 1000)), zmq.POLLIN):
+        # A short wait: ZeroMQ refills the socket's queue (64 messages) meanwhile. At most
+        # a backlog's worth a turn: heartbeats that replace each other fill none.
+        for _ in range(BACKLOG_MESSAGES):
+            if not self.sub.poll(max(0, int((end - time.monotonic()) * 1000)), zmq.POLLIN):
+                return
             if len(self._backlog) >= BACKLOG_MESSAGES or self._backlog_bytes >= BACKLOG_BYTES:
                 return  # unread messages prove nothing: a dead leader's socket stays readable
             frames = self._read()
