@@ -31,6 +31,7 @@ from zbus import codec
 def stats(ex: zbus.Executor) -> dict:
     lead = ex._leader
     return {"dropped": lead.dropped, "io_alive": lead.membership._thread.is_alive(),
+            "session": lead.path.session,
             "heartbeats": lead.metrics.heartbeats.get(1, 0),
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "rss": psutil.Process().memory_info().rss,

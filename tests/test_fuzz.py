@@ -408,6 +408,7 @@ class LiveCluster:
             raise
         self.base = self.peak = ready["ready"]["maxrss"]
         self.expected = ready["ready"]["dropped"]
+        self.session = ready["ready"]["session"]  # (what node 1's replies name)
         self.largest = 0
         self.ctx = zmq.Context()
         self.push = self.socket(zmq.PUSH, self.port + 1)
@@ -505,15 +506,17 @@ FUTURE = 10**9  # a call number never sent: a reply to it is not expected
 ARRAY_TYPE_BYTES = frozenset([*range(0x90, 0xa0), 0xdc, 0xdd])
 
 
-def envelopes(frames: list[bytes], i: int) -> list[list[bytes]]:
-    """``frames`` as node 1's reply to a call never sent, and as a ``died`` report
+def envelopes(frames: list[bytes], i: int, session: str) -> list[list[bytes]]:
+    """``frames`` as node 1's reply to a call never sent (of the leader's
+    ``session``), and as a ``died`` report
     (the hostile header is spliced in as the last item: whatever it holds, the
     whole is one message, dropped once); and as it is, unless its header starts as
     an array (a list the leader might act on, such as a reply it would deliver:
     what is not a list it drops, decoded or not). Nothing is decoded here: under a
     sabotage, that could crash this process rather than the leader's."""
     head, *buffers = frames
-    out = [[b"\x94\x01" + header(FUTURE + i) + b"\x00" + head, *buffers], [b"\x92\xa4died" + head, *buffers]]
+    reply = b"\x95" + header(session) + b"\x01" + header(FUTURE + i) + b"\x00" + head
+    out = [[reply, *buffers], [b"\x92\xa4died" + head, *buffers]]
     if not head or head[0] not in ARRAY_TYPE_BYTES:
         out.append(frames)
     return out
@@ -532,7 +535,7 @@ def test_leader_drops_each_message_the_codec_refuses_once(leader, frames, i):
     branch (what has no reply head goes uncounted), or make RemoteReceiver.expects
     return True (the error reply to a call never sent is queued, uncounted, and
     fails the executor's next call with a protocol error). Each: 2 of 4 counted."""
-    leader.send(envelopes(frames, i))
+    leader.send(envelopes(frames, i, leader.session))
 
 
 @pytest.mark.timeout(240)
@@ -543,7 +546,7 @@ def test_leader_survives_deep_nesting(leader, frames, i):
     """Sabotage: drop the MAX_DEPTH test from codec._walk (tuples nested a few
     hundred deep overflow the C stack of the leader's reading thread: its process
     dies with SIGSEGV)."""
-    leader.send(envelopes(frames, i))
+    leader.send(envelopes(frames, i, leader.session))
 
 
 @pytest.mark.timeout(240)
@@ -556,7 +559,7 @@ def test_leader_memory_stays_bounded_under_many_small_objects(leader, frames, i)
     ints), among others, in each envelope.
     Sabotage: drop the two ``spent > budget`` tests from codec._walk (the leader's
     peak grows 76 MiB, decoding the ``died`` report)."""
-    leader.send(envelopes(frames, i))
+    leader.send(envelopes(frames, i, leader.session))
 
 
 @pytest.mark.timeout(240)
@@ -567,7 +570,7 @@ def test_leader_drops_random_bytes(leader, frames, i):
     Sabotage: no ``self.path.drop`` for ``other-session`` in Membership.handle (a
     ``died`` report that names no session: the first that decodes goes
     uncounted)."""
-    leader.send(envelopes(frames, i))
+    leader.send(envelopes(frames, i, leader.session))
 
 
 OVERSIZE_SUBSCRIPTION = b"\x01" + bytes(range(256)) * 4096  # 1 MiB of topic

@@ -27,9 +27,10 @@ MiB = 2**20
 GROWTH_LIMIT = 64 * MiB
 
 FLOODER = r"""
-import sys, time, zmq
+import os, sys, time, msgpack, zmq
 from zbus import codec
 port, mode, count, size = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+session = os.environ.get("FLOOD_SESSION", "")  # the leader's, which a reply names
 ctx = zmq.Context()
 push = ctx.socket(zmq.PUSH)
 push.setsockopt(zmq.SNDHWM, 4)
@@ -43,14 +44,14 @@ for i in range(count):
     elif mode == "status":   # control messages the I/O thread handles
         msg = codec.encode(["status", pad])
     elif mode == "reply":    # rank 1's replies: to calls never sent, and again to call 1
-        msg = codec.encode([1, 10**6 + i if i % 2 else 1, 0, pad])
+        msg = codec.encode([session, 1, 10**6 + i if i % 2 else 1, 0, pad])
     elif mode == "join":     # joins of nodes that never subscribe
         msg = codec.encode(["join", f"evil{i:06d}", {"host": "evil", "pad": pad}])
     elif mode in ("slowreply", "slowanswer"):  # rank 1's replies, their header slow to check:
         k = size // 3  # 1- and 2-byte ints in turn, each its own step of the codec's header walk
         seq = 10**6 + i if mode == "slowreply" else int(sys.argv[5])  # to calls never sent, or to one
-        msg = [b"\x94\x01\xce" + seq.to_bytes(4, "big") + b"\x00\xdd" + (2 * k).to_bytes(4, "big")
-               + b"\x00\xcc\x80" * k]
+        msg = [b"\x95" + msgpack.packb(session) + b"\x01\xce" + seq.to_bytes(4, "big") + b"\x00\xdd"
+               + (2 * k).to_bytes(4, "big") + b"\x00\xcc\x80" * k]
     elif mode == "lists":    # no reply, under 64 KiB: a list of `size` empty lists (1 byte each)
         msg = [b"\x92\xa2xx\xdd" + size.to_bytes(4, "big") + b"\x90" * size]
     elif mode == "joinmaps":  # small joins that decode into many dicts: `size` empty maps
@@ -67,9 +68,10 @@ ctx.destroy(linger=5000)
 _floods: list[subprocess.Popen] = []
 
 
-def flood(port: int, mode: str, count: int, size: int, *more: str) -> subprocess.Popen:
-    """A process that floods the leader; ended by pid after the test, however it ends."""
-    env = dict(os.environ, PYTHONPATH=TEST_PATH)
+def flood(port: int, mode: str, count: int, size: int, *more: str, session: str = "") -> subprocess.Popen:
+    """A process that floods the leader (``session``: the one its replies name);
+    ended by pid after the test, however it ends."""
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, FLOOD_SESSION=session)
     _floods.append(subprocess.Popen([sys.executable, "-c", FLOODER, str(port), mode, str(count), str(size),
                                      *more], env=env))
     return _floods[-1]
@@ -254,7 +256,7 @@ def test_replies_a_rank_cannot_send_now_are_dropped_not_queued():
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
             before, copies_before = ex._leader.dropped, ex._leader.replies_again
             rss = PeakRss()
-            sender = flood(port, "reply", 400, MiB)
+            sender = flood(port, "reply", 400, MiB, session=ex._leader.path.session)
             assert sender.wait(120) == 0
             deadline = time.monotonic() + 60
             while (ex._leader.dropped - before + ex._leader.replies_again - copies_before < 400
@@ -289,14 +291,15 @@ def test_replies_of_a_rank_a_call_did_not_ask_are_not_kept():
         with executor(port) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
             receiver, before = ex._leader.path.receivers[1], ex._leader.dropped_by.get("unexpected-reply", 0)
+            session = ex._leader.path.session
             for i in range(100):
                 assert ex.collective_rpc("rank_value", args=(i,), unique_reply_rank=0, timeout=30) == 10 * i
-                push.send_multipart(codec.encode([1, ex._seq, 0, pad]), copy=False)
+                push.send_multipart(codec.encode([session, 1, ex._seq, 0, pad]), copy=False)
             wait_until(lambda: ex._leader.dropped_by.get("unexpected-reply", 0) - before >= 100, 20,
                        "100 forged replies dropped")
             assert not receiver._replies
             future = ex.collective_rpc("sleep", args=(1.0,), unique_reply_rank=0, non_block=True)
-            push.send_multipart(codec.encode([1, ex._seq, 0, pad]), copy=False)  # in flight: kept
+            push.send_multipart(codec.encode([session, 1, ex._seq, 0, pad]), copy=False)  # in flight: kept
             wait_until(lambda: ex._seq in receiver._replies, 30, "the in-flight reply kept")
             future.result(30)
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
@@ -312,7 +315,7 @@ def survives_flood(ex: zbus.Executor, port: int, mode: str, count: int, size: in
     for ``reason``, and a liveness period later the node is still there."""
     assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
     before = ex._leader.dropped_by.get(reason, 0)
-    sender = flood(port, mode, count, size)
+    sender = flood(port, mode, count, size, session=ex._leader.path.session)
     calls = 0
     while calls_timeout is not None and sender.poll() is None and calls < 1000:
         assert ex.collective_rpc("rank_value", args=(1,), timeout=calls_timeout) == [10, 11]
@@ -401,7 +404,7 @@ def test_a_reply_slow_to_decode_holds_up_no_other_thread(slow_header_walk):
         with executor(port, liveness_s=1.0) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
             slow = ex.collective_rpc("sleep", args=(5.0,), non_block=True)  # the forged reply comes first
-            sender = flood(port, "slowanswer", 1, 8 * MiB, str(slow.seq))
+            sender = flood(port, "slowanswer", 1, 8 * MiB, str(slow.seq), session=ex._leader.path.session)
             assert sender.wait(60) == 0
             t0 = time.monotonic()
             assert len(slow.result(60)[1]) == 2 * (8 * MiB // 3)  # the forged value, decoded
@@ -429,7 +432,8 @@ def test_a_reply_over_the_largest_reply_is_not_kept_while_its_call_waits(monkeyp
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
             receiver = ex._leader.path.receivers[1]
             slow = ex.collective_rpc("sleep", args=(3.0,), non_block=True)
-            frames = codec.encode([1, slow.seq, 0, (b"y" * (600 * 2**10), b"z" * (600 * 2**10))])
+            frames = codec.encode([ex._leader.path.session, 1, slow.seq, 0,
+                                   (b"y" * (600 * 2**10), b"z" * (600 * 2**10))])
             assert len(frames) == 3
             push.send_multipart(frames, copy=True)
             with pytest.raises(zbus.RemoteError, match="ZBUS_MAX_REPLY") as info:

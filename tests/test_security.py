@@ -311,15 +311,19 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
                   {"undecodable": 6})
             batch("not a non-empty list", [codec.encode({"not": "a list"}), codec.encode([]),
                                            codec.encode(5)], {"shape": 3})
-            batch("replies for no remote rank", [codec.encode([7, 1, 0, None]),  # rank 0 is local
-                                                 codec.encode([1, 1, 0])], {"unknown-rank": 2})
             session = ex._leader.path.session
+            batch("replies for no remote rank", [codec.encode([session, 7, 1, 0, None])],  # rank 0 is local
+                  {"unknown-rank": 1})
+            batch("replies of the wrong shape", [codec.encode([session, 1, 1, 0]),
+                                                 codec.encode([session, 1, 1, "0", None])], {"shape": 2})
             batch("unknown kinds", [codec.encode(["died", 99, session, 1, 0]), codec.encode([UNKNOWN]),
                                     codec.encode(["hb", 1, session, 2, 3])], {"unknown-kind": 3})
             # a member's messages of another leader's node (or that name no session)
             batch("other sessions", [codec.encode(["leaving", 1, "0" * 16, "an orphan"]),
                                      codec.encode(["died", 1, None, 1, 9]), codec.encode(["hb", 1]),
-                                     codec.encode(["gap", 1, [session], 1, 2])], {"other-session": 4})
+                                     codec.encode(["gap", 1, [session], 1, 2]),
+                                     codec.encode([1, 1, 0, None]), codec.encode(["f" * 16, 1, 1, 0, None])],
+                  {"other-session": 6})
             # a node's control message holds plain data: a tensor, array or registered type
             # in one is refused unbuilt (an array token was taken for a bad status, and an
             # array head, whose == has no truth value, broke its handler)
@@ -699,7 +703,8 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
             before, session = ex._leader.dropped_by, ex._leader.path.session
             forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
-                  [[1, 10**6, 0, "forged"], bytes.fromhex("9401ce000f424000c1"),  # [1, 10**6, 0, invalid]
+                  [[session, 1, 10**6, 0, "forged"],  # and [session, 1, 10**6, 0, invalid]:
+                   b"\x95" + msgpack.packb(session) + bytes.fromhex("01ce000f424000c1"),
                    ["died", 1, session, 1, 9], ["hb", 1, session], ["gap", 1, session, 1, 5],
                    ["leaving", 1, session, "forged"], ["hb", 2, session],
                    ["refused", "no-such-node", "a marker"]])
@@ -734,7 +739,7 @@ def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkey
                 before = ex._leader.dropped
                 info = {"version": 1, "nproc": 1, "host": "h", "address": "a", "node_rank": 1, "pid": 1}
                 forge(port, NodeCurve.from_secret(SECRET.encode(), 2),
-                      [["join", "f" * 16, info], [1, 10**6, 0, "forged"],
+                      [["join", "f" * 16, info], [ex._leader.path.session, 1, 10**6, 0, "forged"],
                        ["died", 1, ex._leader.path.session, 1, 9]])
                 assert wait_dropped(ex, before + 3) == before + 3
                 ex.check_health()
@@ -878,8 +883,9 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
     OK) is dropped as ``shape`` and its call gets the real replies (one whose
     status is a numpy array, whose ``==`` has no truth value, failed the
     executor; it is undecodable now, as a message that is no reply holds plain
-    data alone). Sabotage: drop the status's type check in
-    ``DataPath._file_reply``: the call's result is "forged". A refusal whose reason is a 64 KiB tensor fails
+    data alone). Sabotage: no ``shape`` drop of a message that names this
+    leader's session in ``DataPath._recv_control`` -> ``unknown-kind``, and the
+    wait for the drop fails. A refusal whose reason is a 64 KiB tensor fails
     its call with a short error. Sabotage: ``str`` of the reason (as before) -> an
     error of 1 MB, made under the reply lock."""
     port = free_port_pair()
@@ -892,19 +898,21 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
             push.setsockopt(zmq.LINGER, 0)
             push.connect(f"tcp://127.0.0.1:{port + 1}")
             slow = ex.collective_rpc("later", args=("x", 1.0), non_block=True)
-            push.send_multipart(codec.encode([1, slow.seq, protocol.RAISED, None]))  # before rank 1's own
+            session = ex._leader.path.session
+            # before rank 1's own
+            push.send_multipart(codec.encode([session, 1, slow.seq, protocol.RAISED, None]))
             error = slow.exception(timeout=30)
             assert isinstance(error, zbus.ZbusError) and "malformed reply" in str(error), repr(error)
             assert "rank 1" in str(error)
             # a status that is no int: dropped, the call completes
             later = ex.collective_rpc("later", args=("y", 1.0), non_block=True)
             before = ex._leader.dropped_by.get("shape", 0)
-            push.send_multipart(codec.encode([1, later.seq, 0.0, "forged"]))
+            push.send_multipart(codec.encode([session, 1, later.seq, 0.0, "forged"]))
             wait_until(lambda: ex._leader.dropped_by.get("shape", 0) > before, 20, "the forged reply dropped")
             assert later.result(30) == ["y", "y"]
             # a refusal whose reason is a tensor: named, not printed (MiBs, seconds)
             third = ex.collective_rpc("later", args=("z", 1.0), non_block=True)
-            push.send_multipart(codec.encode([1, third.seq, protocol.REFUSED,
+            push.send_multipart(codec.encode([session, 1, third.seq, protocol.REFUSED,
                                               torch.zeros([2] * 16, dtype=torch.uint8)]))
             error = third.exception(timeout=30)
             assert isinstance(error, zbus.ZbusError) and "Tensor of shape" in str(error), repr(error)[:200]
@@ -969,7 +977,11 @@ class PosingLeader:
                                   protocol.call_envelope(seq, method, -1, len(payload)), *payload])
 
     def receive(self, timeout_ms: int) -> list | None:
-        return codec.decode(self.pull.recv_multipart()) if self.pull.poll(timeout_ms) else None
+        """The follower's next message; a worker's reply ``[rank, seq, status, value]``
+        without the session it names first."""
+        msg = codec.decode(self.pull.recv_multipart()) if self.pull.poll(timeout_ms) else None
+        is_reply = type(msg) is list and len(msg) == 5 and msg[0] == getattr(self, "session", None)
+        return msg[1:] if is_reply else msg
 
     def bye(self) -> str:
         """Say bye; the follower's log once it exited 0."""

@@ -340,7 +340,7 @@ class NodeAgent:
         self._check_worker(spec.get("worker"))
         env = self._worker_env(welcome.get("env") or {})  # the driver's Executor(env=...)
         self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
-                                    [{"push": welcome["reply_address"],
+                                    [{"push": welcome["reply_address"], "session": session,
                                       "curve": self.curve.to_dict() if self.curve else None,
                                       "max_reply": welcome.get("max_reply")}] * n,
                                     [self.ring.name],

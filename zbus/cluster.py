@@ -17,8 +17,8 @@ on the PULL side are codec-encoded lists: ``["join", node_id, info]``,
 token]``, a member's ``["hb", node_rank, session, last call relayed]``, ``["died",
 node_rank, session, rank, exitcode]``, ``["gap", node_rank, session, expected_seq,
 got_seq]`` and ``["leaving", node_rank, session, reason]`` (the session its welcome
-named: another leader's is dropped), or a worker reply ``[rank, seq, status,
-value]``.
+named: another leader's is dropped), or a remote worker's reply ``[session,
+rank, seq, status, value]`` (the same).
 
 Joining: a follower subscribes to ``H`` and its own ``N<id>``, then sends ``join``
 until welcomed, and then to ``R<session>``; the leader's side is

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import msgpack
 import zmq
 
 from . import codec, protocol
@@ -63,14 +64,16 @@ _INT_WIDTHS = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, F
                0xd0: (1, True), 0xd1: (2, True), 0xd2: (4, True), 0xd3: (8, True)}  # msgpack's ints
 
 
-def _reply_head(frame: Any) -> list | None:
-    """``[rank, seq, status]`` if ``frame`` starts as a reply does (msgpack's array
-    of 4, as msgpack writes it, then three ints), else None. Reads its first 28
-    bytes at most, builds nothing else: every reply passes here."""
-    head = bytes(memoryview(frame)[:28])
-    if not head or head[0] != 0x94:
+def _reply_head(frame: Any) -> tuple[bytes, list] | None:
+    """``(session, [rank, seq, status])`` if ``frame`` starts as a remote worker's
+    reply does (msgpack's array of 5, as msgpack writes it, the session its leader's
+    welcome named as a str of at most 31 bytes, its bytes returned as packed, then
+    three ints), else None. Reads its first 60 bytes at most, builds nothing else:
+    every reply passes here."""
+    head = bytes(memoryview(frame)[:60])
+    if len(head) < 2 or head[0] != 0x95 or not 0xa0 <= head[1] <= 0xbf:
         return None
-    ints, pos = [], 1
+    ints, pos = [], 2 + (head[1] & 0x1f)
     for _ in range(3):
         b = head[pos] if pos < len(head) else -1
         if 0 <= b < 0x80 or b >= 0xe0:  # a fixint, positive or negative
@@ -84,7 +87,7 @@ def _reply_head(frame: Any) -> list | None:
             pos += 1 + width
         else:
             return None
-    return ints
+    return head[1:2 + (head[1] & 0x1f)], ints
 
 
 def _too_big(size: int, limit: int) -> codec.ExceptionInfo:
@@ -225,7 +228,8 @@ class RemoteReceiver:
         if type(reply[3]) is not Undecoded:
             return reply
         try:
-            return codec.decode(reply[3].frames, self._max_reply)  # (the list of 4 its head began)
+            # (the list its head began, less the session)
+            return codec.decode(reply[3].frames, self._max_reply)[1:]
         except CodecError as e:  # (a type the driver never registered, say): the caller learns why
             info = codec.ExceptionInfo("zbus.errors.CodecError", f"cannot decode the reply: {e}")
             return [reply[0], reply[1], protocol.RAISED, info]
@@ -312,6 +316,7 @@ class DataPath:
         # its heartbeats name it, so a node that joined a leader which died hears none
         # of a new one's calls at the same address, and takes it for a stranger
         self.session = secrets.token_hex(8)
+        self._reply_tag = msgpack.packb(self.session)  # how a reply names it (see _reply_head)
         self.rpc_topic = rpc_topic(self.session)
         self.xpub_lock = threading.RLock()  # the I/O thread sends welcomes while reading it
         self.pull_lock = threading.Lock()
@@ -569,7 +574,12 @@ class DataPath:
         try:
             raw = self.pull.recv_multipart(copy=False)
             frames = [f.buffer for f in raw]
-            head = _reply_head(frames[0])
+            tagged = _reply_head(frames[0])
+            if tagged is not None and tagged[0] != self._reply_tag:
+                self.drop("a reply that names another leader's session (of a leader before this one "
+                          "at its address?)", "other-session")
+                return None
+            head = None if tagged is None else tagged[1]
             size = sum(f.nbytes for f in frames)
             if head is not None and size <= self.max_reply:  # a reply: checked, filed, decoded by its taker
                 msg = [*head, Undecoded(frames)]
@@ -590,6 +600,12 @@ class DataPath:
                 # (plain: no node's control message holds a tensor, array or registered
                 # type, and none may make this thread load torch or build one)
                 msg = codec.decode(frames, self.max_reply, plain=True)
+                if type(msg) is list and msg and type(msg[0]) is int:  # a reply that names no session
+                    self.drop(f"a reply of rank {brief(msg[0])} that names no session", "other-session")
+                    return None
+                if type(msg) is list and msg and msg[0] == self.session:  # (plain data: == can judge)
+                    self.drop(f"a reply of the wrong shape: {brief(msg)}", "shape")
+                    return None
         except CodecError as e:
             self.drop(f"a malformed message from the network: {e}", "undecodable")
             return None

@@ -20,7 +20,8 @@ On a keyed link a call's frames larger than ``PART_BYTES`` travel cut in parts
 (plain msgpack) comes first; the node agent writes the parts of a frame back to
 back into its ring (:func:`from_parts`), so its workers see the frames sent.
 
-Reply (one worker -> the driver): ``[rank, seq, status, value]``; the READY reply
+Reply (one worker -> the driver): ``[rank, seq, status, value]`` (a remote rank's
+names its leader's session first: ``[session, rank, ...]``); the READY reply
 has ``seq == READY``. ``status`` says what ``value`` is: the result (OK), the
 exception the method raised (RAISED, as :class:`zbus.codec.ExceptionInfo`), or why
 the call was refused before it ran (REFUSED).
@@ -37,7 +38,8 @@ from .errors import CodecError
 # Checked at a node's join: 2: calls say which replies the driver has; heartbeats
 # name the last call relayed. 3: the leader's heartbeats name its session, which
 # its welcome gave. 4: its calls go on the topic of its session (cluster.rpc_topic).
-# 5: a member's heartbeats, deaths, gaps and leaving name that session too.
+# 5: a member's heartbeats, deaths, gaps and leaving, and its workers' replies,
+# name that session too.
 PROTOCOL_VERSION = 5
 CALL, STOP = 1, 2
 MAX_ENVELOPE = 65536  # bytes: a method's name and five ints

@@ -450,7 +450,9 @@ class ReplySender(ZmqSender):
     Copies beyond ``KEEP_REPLY_BYTES`` are dropped, oldest first."""
 
     def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64,
-                 configure: Callable[[zmq.Socket], None] | None = None, max_bytes: int | None = None):
+                 configure: Callable[[zmq.Socket], None] | None = None, max_bytes: int | None = None,
+                 session: str | None = None):
+        self._session = session  # the leader's, which each reply names (see zbus.datapath)
         # without ``ctx`` a context of its own, which close ends: only a context's end
         # waits for what is queued to leave (ZeroMQ's linger), and a worker then exits
         # with os._exit (a failed start's traceback was lost while its link formed)
@@ -468,11 +470,12 @@ class ReplySender(ZmqSender):
         self._thread.start()
 
     def put(self, obj: Any, timeout: float | None = None) -> None:
-        """Send a reply ``[rank, seq, status, value]`` and keep a copy of it (a call's,
+        """Send a reply ``[rank, seq, status, value]`` (as ``[session, rank, seq,
+        status, value]`` given the leader's session) and keep a copy of it (a call's,
         ``seq`` > 0) until :meth:`ack` says the driver has it. A put waiting for room
         when :meth:`close` begins raises Cancelled: close must not close the socket
         under a send."""
-        frames = codec.encode(obj)
+        frames = codec.encode(obj if self._session is None else [self._session, *obj])
         seq = obj[1] if type(obj) is list and len(obj) == 4 and type(obj[1]) is int else 0
         with self._lock:
             if self._closing.is_set():  # (the socket is being closed: no thread may use it)
