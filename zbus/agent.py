@@ -410,14 +410,19 @@ class NodeAgent:
                             log.warning("dropped a call message with nothing in it")
                     elif topic in self._probe_topics:
                         self._on_probe(topic, self._decode(frames[1:]))
-                    elif topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id):
-                        # (heartbeats come on the node topic while another node stalls broadcasts)
-                        msg = self._decode(frames[1:])
-                        if type(msg) is list and len(msg) == 3 and msg[0] == "hb":
-                            self._check_leader(msg[2])
-                            self._check_sent(msg[1])
-                        elif self._ends(msg):
-                            return 0
+                    elif _is_heartbeat(msg := self._leader_word(topic, frames)):
+                        self._check_leader(msg[2])
+                        self._check_sent(msg[1])
+                    elif msg is not None and self._ends(msg):
+                        return 0
+
+    def _leader_word(self, topic: bytes, frames: list) -> Any:
+        """A heartbeat or the leader's word for this node, decoded (None if
+        undecodable); None for any other message. (Heartbeats come on the node topic
+        too while another node stalls broadcasts.)"""
+        if topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id):
+            return self._decode(frames[1:])
+        return None
 
     def _check_leader(self, session: Any) -> None:
         """A heartbeat of another leader at this leader's address (one started there
@@ -552,10 +557,8 @@ class NodeAgent:
             if len(self._backlog) >= BACKLOG_MESSAGES or self._backlog_bytes >= BACKLOG_BYTES:
                 return  # unread messages prove nothing: a dead leader's socket stays readable
             frames = self._read()
-            topic = bytes(frames[0])
-            msg = self._decode(frames[1:]) if topic == TOPIC_HEARTBEAT or topic == node_topic(self.node_id) \
-                else None
-            heartbeat = type(msg) is list and len(msg) == 3 and msg[0] == "hb"
+            msg = self._leader_word(bytes(frames[0]), frames)
+            heartbeat = _is_heartbeat(msg)
             if heartbeat:
                 self._check_leader(msg[2])
                 if self._held_hb:
@@ -715,6 +718,11 @@ class NodeAgent:
             self.ctx.term()
             os.close(self._death_r)
             os.close(self._death_w)
+
+
+def _is_heartbeat(msg: Any) -> bool:
+    """Whether ``msg`` is a leader's heartbeat: ``["hb", last call sent, session]``."""
+    return type(msg) is list and len(msg) == 3 and msg[0] == "hb"
 
 
 def _call_bytes(frames: list) -> int:

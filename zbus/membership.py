@@ -393,7 +393,7 @@ class Membership:
         it), else on the I/O thread."""
         kind = msg[0]
         if kind in MEMBER_KINDS:  # [kind, node rank, session, ...]
-            if len(msg) < 3 or type(msg[2]) is not str or msg[2] != self.session:
+            if len(msg) < 3 or msg[2] != self.session:  # (plain data: != can judge)
                 self.path.drop(f"a {kind} message of another leader's node (a leader before this one "
                                "at its address?)", "other-session")
                 return
