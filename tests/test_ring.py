@@ -214,7 +214,7 @@ def test_recv_timeout_cancel_and_abort():
 
 
 @pytest.mark.parametrize("core", ["compiled", "python"])
-@pytest.mark.parametrize("corrupt", ["frames", "size", "lent"])
+@pytest.mark.parametrize("corrupt", ["frames", "size", "size-wraps", "size-negative", "lent"])
 def test_a_corrupt_message_is_dropped_and_the_next_one_read(core, corrupt, monkeypatch):
     """A message whose header a stray write changed (user native code in a worker,
     another process of the node): its frame count no longer fits its size, or its
@@ -226,7 +226,10 @@ def test_a_corrupt_message_is_dropped_and_the_next_one_read(core, corrupt, monke
     way, and a lent one raised ValueError. Sabotage: no ``try`` around
     ``_read_message`` in ``RingReader.recv`` -> ValueError twice (``frames``); none
     around ``_pool.take`` -> MemoryError (``size``); none around ``_split_frames`` in
-    ``_lend`` -> ValueError (``lent``)."""
+    ``_lend`` -> ValueError (``lent``). A size of 2**64-1 (``size-wraps``) or 2**63+5
+    (``size-negative``) came to an empty or a negative buffer in the pool (C's
+    ssize_t): ValueError or SystemError at every recv, the reader stuck; sabotage:
+    no bound on the size before ``_pool.take``."""
     if core == "python":
         monkeypatch.setattr(ring, "_read_message", ring._read_message_py)
     elif shm.core is None:
@@ -239,14 +242,35 @@ def test_a_corrupt_message_is_dropped_and_the_next_one_read(core, corrupt, monke
     try:
         at = writer._chunk(0)
         writer.send([b"x" * 300_000] if lent else [b"first"])
-        if corrupt == "size":
-            struct.pack_into("<Q", writer._buf, at, 2**62)  # 4 EiB
+        if corrupt.startswith("size"):
+            size = {"size": 2**62, "size-wraps": 2**64 - 1, "size-negative": 2**63 + 5}[corrupt]
+            struct.pack_into("<Q", writer._buf, at, size)  # 4 EiB and more
         else:
             struct.pack_into("<Q", writer._buf, at + 8, 100_000)  # frames: past the message's size
         writer.send([b"second"])
         with pytest.raises(zbus.CodecError, match="corrupt message dropped"):
             reader.recv(timeout=5)
         assert [bytes(f) for f in reader.recv(timeout=5)] == [b"second"]
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("core", ["compiled", "python"])
+def test_a_strided_view_is_written_as_its_bytes_by_either_core(core, monkeypatch):
+    """A 1-D byte view with a stride is a frame like any other. The compiled core
+    asked for a contiguous buffer and raised BufferError where the Python twin
+    wrote the view's bytes. Sabotage: ``get_parts`` fails on BufferError instead of
+    leaving the message to the Python path -> BufferError (``compiled``)."""
+    if core == "python":
+        monkeypatch.setattr(ring, "_write_message", ring._write_message_py)
+    elif shm.core is None:
+        pytest.skip("the compiled core is not built here (or ZBUS_PURE_PYTHON)")
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        writer.send([memoryview(b"abcdef")[::2], (b"g", memoryview(b"hxix")[::2])])
+        assert [bytes(f) for f in reader.recv(timeout=5)] == [b"ace", b"ghi"]
     finally:
         reader.close()
         writer.close()

@@ -87,25 +87,41 @@ static PyObject *core_store(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 /* The buffers of `frames` (each a buffer, or a tuple of buffers written back to back),
- * flattened into parts[]; lens[f] is frame f's length. Returns the number of parts,
- * -2 when there are more than MAX_PARTS (the caller takes the Python path), -1 on error. */
-static Py_ssize_t get_parts(PyObject *frames, Py_buffer *parts, Py_ssize_t *lens, Py_ssize_t nframes) {
+ * flattened into parts[]; lens[f] is frame f's length, counts[f] its number of parts
+ * (kept here: an exporter's code may change the list or a tuple meanwhile). Returns
+ * the number of parts, -2 when there are more than MAX_PARTS or a part is no
+ * contiguous buffer (the caller takes the Python path, which copies a strided view),
+ * -1 on error. */
+static Py_ssize_t get_parts(PyObject *frames, Py_buffer *parts, Py_ssize_t *lens, Py_ssize_t *counts,
+                            Py_ssize_t nframes) {
     Py_ssize_t np = 0;
-    for (Py_ssize_t f = 0; f < nframes; f++) {
+    for (Py_ssize_t f = 0; f < nframes && f < PyList_GET_SIZE(frames); f++) {
         PyObject *frame = PyList_GET_ITEM(frames, f);
+        Py_INCREF(frame);
         int is_tuple = PyTuple_CheckExact(frame);
         Py_ssize_t count = is_tuple ? PyTuple_GET_SIZE(frame) : 1;
         lens[f] = 0;
+        counts[f] = count;
         for (Py_ssize_t k = 0; k < count; k++) {
-            if (np == MAX_PARTS)
+            if (np == MAX_PARTS) {
+                Py_DECREF(frame);
                 goto too_many;
+            }
             PyObject *part = is_tuple ? PyTuple_GET_ITEM(frame, k) : frame;
-            if (PyObject_GetBuffer(part, &parts[np], PyBUF_C_CONTIGUOUS) < 0)
-                goto fail;
+            if (PyObject_GetBuffer(part, &parts[np], PyBUF_C_CONTIGUOUS) < 0) {
+                Py_DECREF(frame);
+                if (!PyErr_ExceptionMatches(PyExc_BufferError))
+                    goto fail;
+                PyErr_Clear();
+                goto too_many;
+            }
             lens[f] += parts[np].len;
             np++;
         }
+        Py_DECREF(frame);
     }
+    if (PyList_GET_SIZE(frames) != nframes)
+        goto too_many;
     return np;
 too_many:
     for (Py_ssize_t k = 0; k < np; k++)
@@ -137,8 +153,8 @@ static PyObject *core_write_message(PyObject *self, PyObject *const *args, Py_ss
     if (nframes > MAX_PARTS)
         return PyLong_FromLong(-1);
     Py_buffer parts[MAX_PARTS];
-    Py_ssize_t lens[MAX_PARTS], offsets[MAX_PARTS];
-    Py_ssize_t np = get_parts(frames, parts, lens, nframes);
+    Py_ssize_t lens[MAX_PARTS], counts[MAX_PARTS], offsets[MAX_PARTS];
+    Py_ssize_t np = get_parts(frames, parts, lens, counts, nframes);
     if (np == -1)
         return NULL;
     if (np == -2)
@@ -168,9 +184,7 @@ static PyObject *core_write_message(PyObject *self, PyObject *const *args, Py_ss
         for (Py_ssize_t f = 0; f < nframes; f++) {
             memset(base + end, 0, (size_t)(offsets[f] - end));
             char *to = base + offsets[f];
-            PyObject *frame = PyList_GET_ITEM(frames, f);
-            Py_ssize_t count = PyTuple_CheckExact(frame) ? PyTuple_GET_SIZE(frame) : 1;
-            for (Py_ssize_t c = 0; c < count; c++, k++) {
+            for (Py_ssize_t c = 0; c < counts[f]; c++, k++) {
                 memcpy(to, parts[k].buf, (size_t)parts[k].len);
                 to += parts[k].len;
             }

@@ -585,6 +585,8 @@ class RingReader(_Ring):
                         return frames
             take = min(cb, total)
             try:
+                if total >= 1 << 62:  # (rounded up in the pool, C's ssize_t would wrap it)
+                    raise OverflowError("larger than any message")
                 out = self._pool.take(total)
             except (MemoryError, OverflowError, OSError, ValueError) as e:  # a size no message has
                 raise self._dropped(ValueError(f"its size {total}: {type(e).__name__}")) from None
