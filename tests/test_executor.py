@@ -891,6 +891,24 @@ def test_a_completer_thread_not_to_be_had_loses_no_future_and_stops_no_shutdown(
     assert [p.returncode for p in ex._workers.procs] == [0, 0]
 
 
+def test_a_worker_monitor_not_to_be_had_leaves_no_worker_running(monkeypatch):
+    """The thread that watches the workers cannot start (a pids limit the new
+    workers reached): the executor's start fails with that error, and every worker
+    it started is ended and reaped at once, no pipe left open. Before, the start
+    raised after the workers were running and out of the executor's reach: nothing
+    stopped them, their death pipe stayed open, and they lived on until they found
+    the ring gone. Sabotage: start the thread after the ``try`` in
+    ``LocalWorkers.__init__``."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    fds = len(os.listdir("/proc/self/fd"))
+    no_thread_to_be_had(monkeypatch, "zbus-worker-monitor")
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        zbus.Executor(EchoWorker, nproc_per_node=2)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert left == [], f"workers left: {left}"
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
 def test_a_worker_death_fails_the_pending_calls_with_no_thread_to_be_had(tmp_path, monkeypatch):
     """A worker dies while the process can start no thread (a pids limit reached):
     the thread that would end the other workers at once does not start, and the

@@ -162,6 +162,10 @@ class LocalWorkers:
                 # here, not in the watcher: a kernel or seccomp profile without pidfds
                 # fails the start, instead of a watcher that dies and reports no death
                 pidfds.append(os.pidfd_open(self.procs[-1].pid))
+            # (in here: a thread that cannot start, at a pids limit, ends the workers)
+            self._thread = threading.Thread(target=self._watch, args=(pidfds,),
+                                            name="zbus-worker-monitor", daemon=True)
+            self._thread.start()
         except BaseException:
             os.close(death_r)
             self.kill()
@@ -171,9 +175,6 @@ class LocalWorkers:
             raise
         os.close(death_r)
         _alive.add(self)
-        self._thread = threading.Thread(target=self._watch, args=(pidfds,), name="zbus-worker-monitor",
-                                        daemon=True)
-        self._thread.start()
 
     def _watch(self, pidfds: list[int]) -> None:
         poller = select.poll()
