@@ -21,7 +21,7 @@ import zmq
 from conftest import TEST_PATH, end_process, no_thread_to_be_had, shm_used, wait_until, zbus_segments
 
 import zbus
-from zbus import codec, shm
+from zbus import codec, protocol, shm
 from zbus.cluster import TOPIC_HEARTBEAT, TOPIC_RPC, free_port_pair, node_topic
 from zbus.config import RingGeometry
 from zbus.processes import node_shm_prefix
@@ -1263,6 +1263,35 @@ def formed_leader_and_a_peer_that_reads_nothing(topic: bytes, rcvbuf: int = 0):
         lead.close()
         for sock in (hog, healthy, push):
             sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_join_whose_host_or_address_is_long_or_unprintable_is_dropped():
+    """A join's host and address go into the leader's log lines, its failures'
+    texts and ``zbus status``: a peer's join with a name of 1000 bytes (up to 60 KB
+    passed), or one holding a newline or a terminal's escape, was kept whole while
+    the cluster formed (each of its joins logged: a forged line, an escape run in
+    the operator's terminal).
+    Such a join is dropped as ``bad-join``; a real one is kept. Sabotage: the types
+    alone in ``membership._join_types`` -> none dropped."""
+    lead, port = bare_leader(nnodes=2)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    try:
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        lead.start()
+        good = {"version": protocol.PROTOCOL_VERSION, "nproc": 1, "host": "node-1", "address": "10.0.0.2",
+                "node_rank": 1, "pid": 7}
+        bad = [{"host": "x" * 1000}, {"host": "n\nnode 9 joined: forged"}, {"host": "\x1b]0;owned\x07"},
+               {"address": "1" * 300}]
+        for i, fields in enumerate([*bad, {}]):
+            push.send_multipart(codec.encode(["join", f"{i:016x}", dict(good, **fields)]))
+        wait_until(lambda: lead.dropped_by.get("bad-join") == len(bad), 10, "the bad joins dropped")
+        wait_until(lambda: f"{len(bad):016x}" in lead.membership._joins, 10, "the real join kept")
+        assert len(lead.membership._joins) == 1
+    finally:
+        lead.close()
+        push.close(linger=0)
         ctx.term()
 
 

@@ -51,11 +51,15 @@ MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
 JOIN_TYPES = {"version": int, "nproc": int, "host": str, "address": str, "node_rank": int, "pid": int}
 
 
+JOIN_TEXT_MAX = 255  # a host name's most (DNS: 253), and an address's
+
+
 def _join_types(info: dict) -> bool:
     """Whether the fields a join has are of the types a node sends (missing ones
-    are refused later, loudly, by ``Membership._check_join``)."""
-    return all(type(info[k]) is t or (k == "node_rank" and info[k] is None)
-               for k, t in JOIN_TYPES.items() if k in info)
+    are refused later, loudly, by ``Membership._check_join``), its host and address
+    short and printable: they go into log lines, errors and ``zbus status``."""
+    return all((type(v := info[k]) is t and (t is not str or len(v) <= JOIN_TEXT_MAX and v.isprintable()))
+               or (k == "node_rank" and v is None) for k, t in JOIN_TYPES.items() if k in info)
 
 
 @dataclass
