@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -48,7 +49,14 @@ def test_keygen_makes_the_folders(tmp_path):
     (["demo", "--nproc-per-node", "0"], "--nproc-per-node: '0': expected a whole"),
     (["keygen", "{tmp}/k", "--nodes", "-1"], "--nodes: '-1': expected a whole"),
     (["bench", "import", "bogus"], "unknown scenario 'bogus'"),
-], ids=["demo-steps", "demo-nproc", "keygen-nodes", "bench-scenario"])
+    (["follower", "--nproc-per-node", "0"], "--nproc-per-node: '0': expected a whole"),
+    (["follower", "--master-port", "70000"], "--master-port: '70000': expected a port from 1 to 65534"),
+    (["status", "--master-port", "0"], "--master-port: '0': expected a port"),
+    (["demo", "--nnodes", "0"], "--nnodes: '0': expected a whole"),
+    (["demo", "--metrics-port", "70000"], "--metrics-port: '70000': expected a port from 1 to 65535"),
+    (["bench", "--seconds", "inf"], "--seconds: 'inf': expected a positive number of seconds"),
+], ids=["demo-steps", "demo-nproc", "keygen-nodes", "bench-scenario", "follower-nproc", "follower-port",
+        "status-port", "demo-nnodes", "demo-metrics-port", "bench-seconds"])
 def test_a_bad_flag_is_refused_before_anything_runs(argv, says, tmp_path):
     """Counts are at least 1 and every scenario name is known before anything runs.
     Before: ``demo --steps 0`` ran a whole cluster, then failed on the median of
@@ -62,6 +70,28 @@ def test_a_bad_flag_is_refused_before_anything_runs(argv, says, tmp_path):
                          timeout=60)
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert "running" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("argv, env, says", [
+    (["keygen", "{tmp}"], {}, "is not empty: keygen makes a whole new set"),
+    (["status", "--secret-file", "{tmp}/none", "--timeout", "0.2"], {}, "No such file or directory"),
+    (["follower", "--master-addr", "127.0.0.1", "--curve-dir", "{tmp}/none"], {}, "missing key file"),
+    (["follower", "--master-addr", "127.0.0.1"], {"ZBUS_MASTER_PORT": "70000"}, "master_port 70000 outside"),
+], ids=["keygen-not-empty", "status-no-secret-file", "follower-no-keys", "follower-port-setting"])
+def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp_path):
+    """A key folder or secret file that is not there, a folder keygen would
+    overwrite, a port setting out of range: the command says so in one line and
+    exits 1. Before, each was a traceback (the command's ZbusError, OSError or
+    ValueError let out of ``main``); the flags were plain ints (``--master-port
+    70000``, ``follower --nproc-per-node 0``, ``demo --nnodes 0``: tracebacks from
+    the settings' checks) and ``bench --seconds inf`` ran for ever (the cases of the
+    test above). Sabotage: no ``except`` around ``args.func`` in ``zbus.cli.main``."""
+    (tmp_path / "x").touch()
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    out = subprocess.run([sys.executable, "-m", "zbus.cli", *argv], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, **env))
+    assert out.returncode == 1 and f"zbus {argv[0]}: " in out.stderr and says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
 
 
 def pending_signals(pid: int) -> int:
@@ -180,3 +210,36 @@ def test_settings_left_empty_count_as_unset_and_bad_flags_are_usage_errors():
                           "0.2"], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, ZBUS_LOG_LEVEL="verbose"))
     assert out.returncode == 1 and "log level 'VERBOSE' unknown" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("ZBUS_WAIT_SLICE", "1e-9", "ZBUS_WAIT_SLICE='1e-9': expected a number from 0.001 to 60"),
+    ("ZBUS_WAIT_SLICE", "1e9", "expected a number from 0.001 to 60"),
+    ("ZBUS_SPIN_US", "1e12", "ZBUS_SPIN_US='1e12': expected a number from 0 to 1e+06"),
+    ("ZBUS_PORT_RANGE", "0-100", "ZBUS_PORT_RANGE='0-100': expected lo-hi, 1 <= lo <= hi <= 65535"),
+    ("ZBUS_PORT_RANGE", "70000-70010", "expected lo-hi"),
+    ("ZBUS_PORT_RANGE", "9000", "expected lo-hi"),
+    ("ZBUS_METRICS_PORT", "70000", "metrics_port 70000 outside 1..65535"),
+])
+def test_settings_out_of_their_range_are_refused_by_name(name, value, says, monkeypatch):
+    """A wait slice of a nanosecond made every sleep a busy loop (one of 1e9 s, a
+    cancel seen decades late); a port range from 0 bound a random port outside the
+    firewall's range, one past 65535 raised OverflowError, one without a dash a
+    bare int() error; a metrics port past 65535 failed only once every node had
+    joined. Each is refused by its name, before anything starts. Sabotage: drop
+    ``within`` from ``config._number``, the range check from
+    ``cluster.port_range``, the port check from ``Executor.__init__``."""
+    from workers import EchoWorker
+
+    import zbus
+    from zbus.cluster import port_range
+    from zbus.config import WaitPolicy
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        if name == "ZBUS_PORT_RANGE":
+            port_range()
+        elif name == "ZBUS_METRICS_PORT":
+            zbus.Executor(EchoWorker)
+        else:
+            WaitPolicy.from_env()

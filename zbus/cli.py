@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import signal
@@ -77,6 +78,21 @@ def _count(text: str) -> int:
     return value
 
 
+def _port(text: str, most: int = 65534) -> int:
+    """A leader's first port: 1..65534 (it binds the next one too)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port from 1 to {most}")
+    return value
+
+
+def _any_port(text: str) -> int:
+    return _port(text, 65535)
+
+
 def format_status(st: dict) -> str:
     us = lambda v: "-" if v is None else f"{v * 1e6:.0f} us"  # noqa: E731
     lat = st["latency_s"]
@@ -123,16 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
         "node agents join it over TCP on loopback), run a sharded transformer block step "
         "by step, check it against a single-process reference, and shut down. With "
         "--nnodes N: lead a cluster whose N-1 followers run 'zbus follower' elsewhere."))
-    demo.add_argument("--nnodes", type=int, default=None,
+    demo.add_argument("--nnodes", type=_count, default=None,
                       help="lead a cluster of N nodes whose followers run elsewhere")
     demo.add_argument("--nproc-per-node", type=_count, default=None,
                       help="workers per node (ZBUS_NPROC_PER_NODE, default 2)")
     demo.add_argument("--master-addr", default=None,
                       help="this leader's address, which followers dial (ZBUS_MASTER_ADDR)")
-    demo.add_argument("--master-port", type=int, default=None,
+    demo.add_argument("--master-port", type=_port, default=None,
                       help="first of the leader's two ports (ZBUS_MASTER_PORT, default 29650)")
     demo.add_argument("--steps", type=_count, default=200, help="decode-like steps (default 200)")
-    demo.add_argument("--metrics-port", type=int, default=None,
+    demo.add_argument("--metrics-port", type=_any_port, default=None,
                       help="serve Prometheus metrics on this port (ZBUS_METRICS_PORT; needs "
                       "prometheus-client)")
     demo.add_argument("--secret-file", default=None, help="a file holding the cluster secret "
@@ -148,10 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Kubernetes LeaderWorkerSet's LWS_LEADER_ADDRESS and LWS_WORKER_INDEX."))
     fol.add_argument("--master-addr", default=None, help="the leader's host name or address "
                      "(ZBUS_MASTER_ADDR, LWS_LEADER_ADDRESS)")
-    fol.add_argument("--master-port", type=int, default=None,
+    fol.add_argument("--master-port", type=_port, default=None,
                      help="the leader's first port; it also uses the next one (ZBUS_MASTER_PORT, "
                      "default 29650)")
-    fol.add_argument("--nproc-per-node", type=int, default=None,
+    fol.add_argument("--nproc-per-node", type=_count, default=None,
                      help="workers on this node (ZBUS_NPROC_PER_NODE, default 1)")
     fol.add_argument("--node-rank", type=int, default=None,
                      help="this node's rank, 1..nnodes-1 (ZBUS_NODE_RANK, LWS_WORKER_INDEX; "
@@ -189,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Print a running leader's world size, nodes and their ranks, "
                             "uptime, RPC count, latency percentiles, errors and dropped frames.")
     status.add_argument("--master-addr", default=None, help="the leader (ZBUS_MASTER_ADDR)")
-    status.add_argument("--master-port", type=int, default=None,
+    status.add_argument("--master-port", type=_port, default=None,
                         help="the leader's first port (ZBUS_MASTER_PORT, default 29650)")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait (default 10)")
@@ -203,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         "measured in the same run (alternating blocks). Scenarios: ring, rpc, payload, "
         "nodes, curve, idle, import (default: all of these), and compare (with --compare)."))
     bench.add_argument("scenarios", nargs="*", help="which scenarios (default: all)")
-    bench.add_argument("--seconds", type=float, default=2.0,
+    bench.add_argument("--seconds", type=_seconds, default=2.0,
                        help="measuring time per pair of figures (default 2)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every row as JSON")
     bench.add_argument("--plot", default=None, metavar="SVG",
@@ -230,7 +246,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _exit_on_sigterm()
-    return args.func(args)
+    from .errors import ZbusError
+
+    try:
+        return args.func(args)
+    except (ZbusError, ValueError, OSError) as e:  # a setting, a key, a file or a port: said plainly
+        logging.getLogger("zbus.cli").debug("%s failed", args.command, exc_info=True)
+        print(f"zbus {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 def _exit_on_sigterm() -> None:

@@ -220,7 +220,13 @@ def port_range() -> tuple[int, int] | None:
     if not text:
         return None
     lo, _, hi = text.partition("-")
-    return int(lo), int(hi)
+    try:
+        ports = int(lo), int(hi)
+    except ValueError:
+        ports = (0, 0)
+    if not 1 <= ports[0] <= ports[1] <= 65535:  # (0 would bind anywhere, past the firewall's rule)
+        raise ValueError(f"ZBUS_PORT_RANGE={text!r}: expected lo-hi, 1 <= lo <= hi <= 65535")
+    return ports
 
 
 def resolve_ip(host: str) -> str:

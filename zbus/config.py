@@ -109,15 +109,17 @@ class WaitPolicy:
         zbus's rings: they poll before sleeping only if each has a core of its own."""
         cores = usable_cores()
         polls = waiters <= cores
-        spin = _number("ZBUS_SPIN_US", 50 if polls and cores > 2 else 0) / 1e6
-        yld = _number("ZBUS_YIELD_US", 200 if polls else 0) / 1e6
-        # (a slice of 0 would make every sleep one microsecond: a busy loop)
-        return cls(spin, yld, _number("ZBUS_WAIT_SLICE", 0.5, positive=True))
+        spin = _number("ZBUS_SPIN_US", 50 if polls and cores > 2 else 0, within=(0, 1e6)) / 1e6
+        yld = _number("ZBUS_YIELD_US", 200 if polls else 0, within=(0, 1e6)) / 1e6
+        # (a slice under a millisecond makes each sleep a busy loop; one of minutes, a
+        # cancel or abort seen minutes late)
+        return cls(spin, yld, _number("ZBUS_WAIT_SLICE", 0.5, within=(0.001, 60.0)))
 
 
-def _number(name: str, default: float, positive: bool = False) -> float:
-    """The number setting ``name``: finite, at least 0 (``positive``: above 0); an
-    empty variable counts as unset."""
+def _number(name: str, default: float, positive: bool = False,
+            within: tuple[float, float] | None = None) -> float:
+    """The number setting ``name``: finite, at least 0 (``positive``: above 0), and
+    ``within`` its bounds when given; an empty variable counts as unset."""
     text = os.environ.get(name) or None
     try:
         value = default if text is None else float(text)
@@ -125,4 +127,6 @@ def _number(name: str, default: float, positive: bool = False) -> float:
         value = math.nan
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{name}={text!r}: expected a {'positive' if positive else 'non-negative'} number")
+    if within is not None and not within[0] <= value <= within[1]:
+        raise ValueError(f"{name}={text!r}: expected a number from {within[0]:g} to {within[1]:g}")
     return value
