@@ -207,6 +207,26 @@ def test_the_engine_configuration_round_trips(wire, tmp_path):
     assert got.model_config.hf_text_config is got.model_config.hf_config  # as on the sender
 
 
+def test_a_configuration_without_a_class_or_model_type_of_its_own_round_trips(wire):
+    """vLLM reads a Mistral-format model (``params.json``) into transformers' base
+    configuration class, with a model type of its own ("transformer"), and a
+    configuration's sub-configurations made by default (LLaVA's text model) hold no
+    model type of their own: both were refused as "not a configuration class of
+    transformers' table", so such an engine never started on zbus. The base class
+    is carried, and a class of the table is found by its name where its state
+    names no model type. Sabotage: ``_hf_class`` as before (the model type from the
+    state only)."""
+    from transformers import LlavaConfig, PretrainedConfig
+
+    base = PretrainedConfig.from_dict({"model_type": "transformer", "hidden_size": 8})
+    got = round_trip(base)
+    assert type(got) is type(base) and got.to_dict() == base.to_dict()
+    llava = LlavaConfig()
+    assert "model_type" not in vars(llava.text_config)
+    got = round_trip(llava)
+    assert type(got.text_config) is type(llava.text_config) and got.to_dict() == llava.to_dict()
+
+
 FRESH_DECODE = """
 import json, sys
 import msgpack
@@ -315,7 +335,9 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
             with pytest.raises(CodecError, match="unknown torch dtype"):
                 codec.decode([msgpack.packb(msgpack.ExtType(7, msgpack.packb(["vllm:dtype", dtype])))])
     with pytest.raises(CodecError, match="transformers' table"):
-        decode("transformers.models.llama.configuration_llama:LlamaConfig")  # no model_type
+        decode("transformers.models.llama.configuration_llama:LlamaNotConfig")  # no class of the table
+    with pytest.raises(CodecError, match="transformers' table"):  # the base class of another module
+        decode("transformers.models.llama.configuration_llama:PreTrainedConfig")
     whisper = "transformers.models.whisper.configuration_whisper"  # a model type no test loads
     assert whisper not in sys.modules
     with pytest.raises(CodecError, match="transformers' table"):  # refused without importing it

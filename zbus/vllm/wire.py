@@ -294,20 +294,33 @@ def _quantization_class(name: str) -> type:
     raise CodecError(f"type {name[:200]!r} is not a quantization config of vLLM's table: not carried")
 
 
+_HF_BASE = "transformers.configuration_utils"
+_HF_BASE_NAMES = ("PreTrainedConfig", "PretrainedConfig")
+
+
 def _hf_class(name: str, state: Any) -> type:
-    """A Hugging Face configuration class, through transformers' table of model types."""
+    """A Hugging Face configuration class, through transformers' table of model
+    types; or transformers' base class, which vLLM fills from a Mistral-format
+    model's ``params.json``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    model_type = state.get("model_type") if type(state) is dict else None
+    module_name, _, qualname = name.partition(":")
+    if module_name == _HF_BASE and qualname in _HF_BASE_NAMES:
+        cls = vars(importlib.import_module(_HF_BASE)).get(qualname)
+        if isinstance(cls, type):
+            return cls
     # The table's class name first: looking a model type up imports its module
     # (unless it was registered at run time: then it is loaded already).
     names = getattr(CONFIG_MAPPING, "_mapping", None)
-    if type(model_type) is not str or (
-            isinstance(names, dict) and model_type not in getattr(CONFIG_MAPPING, "_extra_content", {})
-            and names.get(model_type) != name.rpartition(":")[2]):
-        raise CodecError(f"type {name[:200]!r} is not a configuration class of transformers' table")
+    names = names if isinstance(names, dict) else {}
+    model_type = state.get("model_type") if type(state) is dict else None
+    if type(model_type) is not str or (model_type not in getattr(CONFIG_MAPPING, "_extra_content", {})
+                                       and names.get(model_type) != qualname):
+        # the model type of the class so named (a sub-configuration made by default
+        # holds none of its own)
+        model_type = next((t for t, n in names.items() if n == qualname), None)
     try:
-        cls = CONFIG_MAPPING[model_type]
+        cls = CONFIG_MAPPING[model_type] if model_type is not None else None
     except KeyError:
         cls = None
     if cls is None or f"{cls.__module__}:{cls.__qualname__}" != name:
