@@ -679,6 +679,34 @@ def test_only_the_rank_that_replies_makes_its_asynchronous_output_ready(wire):
     worker._outputs.shutdown()
 
 
+def test_the_benchmarks_timer_keeps_an_asynchronous_output_one(wire):
+    """``zbus bench vllm`` times each step on the workers and makes an asynchronous
+    output (async scheduling: the default on GPUs) ready there. It gave a plain
+    object back, which the worker replied with as it was: not encodable, so every
+    step failed on zbus, and vLLM's own executor pickled it to an engine that could
+    not use it. Sabotage: ``_ready_class`` returning a class of its own base."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    from zbus.vllm.bench import install_timer
+
+    class Made(AsyncModelRunnerOutput):
+        def get_output(self):
+            return "the output"
+
+    class Worker:
+        def execute_model(self, *args):
+            return Made()
+
+        def sample_tokens(self, *args):
+            return None
+
+    worker = Worker()
+    install_timer(worker)
+    out = worker.execute_model()
+    assert isinstance(out, AsyncModelRunnerOutput) and out.get_output() == "the output"
+    assert worker.sample_tokens() is None and worker.zbus_compute[1] == 2
+
+
 def test_the_output_thread_works_on_the_workers_device(wire, monkeypatch):
     """The thread that makes asynchronous outputs ready sets the worker's device
     first, as vLLM's own output thread: a thread does not inherit it (CUDA would

@@ -16,6 +16,7 @@ follower (``--nnodes 2 --node-rank 1 --headless``). Prints one JSON row per line
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -71,19 +72,27 @@ def install_timer(worker: Any) -> None:
             try:
                 out = _inner(*args, **kwargs)
                 get = getattr(out, "get_output", None)  # an asynchronous output: its copy too
-                return out if get is None else _Ready(get())
+                return out if get is None else _ready_class()(get())
             finally:
                 worker.zbus_compute[0] += time.perf_counter() - t
                 worker.zbus_compute[1] += 1
         setattr(worker, name, timed)
 
 
-class _Ready:
-    def __init__(self, output: Any) -> None:
-        self.output = output
+@functools.cache
+def _ready_class() -> type:
+    """An asynchronous output already made: still one (a worker replies with its
+    output, and vLLM's own worker makes it ready, as for any other)."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
 
-    def get_output(self) -> Any:
-        return self.output
+    class Ready(AsyncModelRunnerOutput):
+        def __init__(self, output: Any) -> None:
+            self.output = output
+
+        def get_output(self) -> Any:
+            return self.output
+
+    return Ready
 
 
 def read_timer(worker: Any) -> float:
