@@ -276,6 +276,28 @@ def test_a_strided_view_is_written_as_its_bytes_by_either_core(core, monkeypatch
         writer.close()
 
 
+@pytest.mark.parametrize("core", ["compiled", "python"])
+def test_a_state_word_a_stray_write_set_ends_the_ring_for_either_core(core):
+    """The state word is 0 until an abort writes 2. Another value (a stray write)
+    ended a compiled reader's wait (RingClosed) and left the Python twin's waiting
+    (TimeoutError). Sabotage: ``_ended`` compares the word with ``_ABORTED``."""
+    if core == "compiled" and shm.core is None:
+        pytest.skip("the compiled core is not built here (or ZBUS_PURE_PYTHON)")
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    reader = RingReader.attach(writer.handle, 0)
+    try:
+        if core == "python":
+            reader._poll = None
+        writer._i[ring._I_STATE] = 1
+        with pytest.raises(RingClosed):
+            reader.recv(timeout=0.5)
+        with pytest.raises(RingClosed):
+            writer.send([b"x"])
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_close_lets_readers_drain_then_raises():
     writer = RingWriter.create(1, RingGeometry(256, 4))
     reader = RingReader.attach(writer.handle, 0)
@@ -759,11 +781,15 @@ def test_geometry_setting(monkeypatch):
 
 @pytest.mark.parametrize("name, value", [("ZBUS_WAIT_SLICE", "0"), ("ZBUS_WAIT_SLICE", "-1"),
                                          ("ZBUS_WAIT_SLICE", "nan"), ("ZBUS_YIELD_US", "-5"),
-                                         ("ZBUS_SPIN_US", "inf"), ("ZBUS_SPIN_US", "fast")])
+                                         ("ZBUS_SPIN_US", "inf"), ("ZBUS_SPIN_US", "fast"),
+                                         ("ZBUS_WAIT_SLICE", "1e-9"), ("ZBUS_WAIT_SLICE", "1e9"),
+                                         ("ZBUS_SPIN_US", "1e12")])
 def test_wait_settings_out_of_range_are_refused(monkeypatch, name, value):
     """A wait slice of 0 or less made every doorbell sleep 1 us (a busy loop), and
-    ``nan`` one that ``min`` with a deadline let through. Sabotage: read them with
-    ``float`` alone, as before -> accepted."""
+    ``nan`` one that ``min`` with a deadline let through; one of a nanosecond was a
+    busy loop still, one of 1e9 s saw a cancel decades late, and a spin had no
+    bound. Sabotage: read them with ``float`` alone, as before -> accepted; no
+    ``within`` in ``config._number`` -> the last three accepted."""
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         WaitPolicy.from_env()

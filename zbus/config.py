@@ -111,9 +111,9 @@ class WaitPolicy:
         polls = waiters <= cores
         spin = _number("ZBUS_SPIN_US", 50 if polls and cores > 2 else 0, within=(0, 1e6)) / 1e6
         yld = _number("ZBUS_YIELD_US", 200 if polls else 0, within=(0, 1e6)) / 1e6
-        # (a slice under a millisecond makes each sleep a busy loop; one of minutes, a
-        # cancel or abort seen minutes late)
-        return cls(spin, yld, _number("ZBUS_WAIT_SLICE", 0.5, within=(0.001, 60.0)))
+        # (a slice under a millisecond makes each sleep a busy loop; one over an hour,
+        # a cancel or abort seen that late: tests set 600 s to prove no wake-up is lost)
+        return cls(spin, yld, _number("ZBUS_WAIT_SLICE", 0.5, within=(0.001, 3600.0)))
 
 
 def _number(name: str, default: float, positive: bool = False,

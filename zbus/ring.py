@@ -165,7 +165,7 @@ class _Ring:
         return self._data + (seq % self.n_chunks) * self.chunk_bytes
 
     def _raise_if_aborted(self) -> None:
-        if self._i[_I_STATE] == _ABORTED:
+        if self._i[_I_STATE]:  # (any value but 0, as the compiled poll reads it)
             raise RingClosed(f"ring {self.name} aborted")
 
     def abort(self) -> None:
@@ -176,7 +176,7 @@ class _Ring:
         self._wake_all()
 
     def _ended(self) -> bool:
-        return bool(self._i[_I_CLOSED]) or self._i[_I_STATE] == _ABORTED
+        return bool(self._i[_I_CLOSED] or self._i[_I_STATE])
 
     def _wake_all(self) -> None:
         self._writer_bell.ring()
