@@ -835,6 +835,47 @@ def test_a_ctrl_c_as_a_reply_is_taken_loses_no_reply(where, when, monkeypatch):
             end_process(proc)
 
 
+@pytest.mark.parametrize("where", ["envelope", "metrics"])
+def test_a_ctrl_c_as_a_call_is_made_ready_to_send_loses_no_call(where, monkeypatch):
+    """A Ctrl-C lands while a call is made ready to send: as its envelope is
+    written, or as its bytes are counted. The call is cut short and the executor
+    serves on. Before, the call's number was taken before those steps, outside the
+    ``try`` that forgets a call no rank got: a Ctrl-C in the envelope left a number
+    no node ever got (the follower found a gap, asked for that call, and the
+    leader, which never had it, failed the node: NodeLostError); one in the count,
+    an unsent call at the head of the pending ones (the next call's replies taken
+    for it: a protocol error). Sabotage: ``self._seq += 1`` and the count before
+    the ``try`` in ``collective_rpc``, as before."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        ex = leader(port, nnodes=2, join_timeout=60)
+        try:
+            armed = [True]
+            target, name = (protocol, "call_envelope") if where == "envelope" else (ex.metrics, "sent")
+            inner = getattr(target, name)
+
+            def ctrl_c_once(*args, **kwargs):
+                if armed and threading.current_thread() is threading.main_thread():
+                    armed.clear()
+                    raise KeyboardInterrupt
+                return inner(*args, **kwargs)
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            monkeypatch.setattr(target, name, ctrl_c_once)
+            with pytest.raises(KeyboardInterrupt):
+                ex.collective_rpc("rank_value", args=(2,), timeout=30)
+            assert not armed
+            for n in (3, 4):
+                assert ex.collective_rpc("rank_value", args=(n,), timeout=30) == [10 * n, 10 * n + 1]
+            assert ex.collective_rpc("rank_value", args=(5,), non_block=True).result(30) == [50, 51]
+            ex.check_health()
+        finally:
+            monkeypatch.undo()
+            ex.shutdown()
+    finally:
+        end_process(proc)
+
+
 def test_a_leader_whose_io_thread_cannot_start_frees_its_ports(monkeypatch):
     """The leader's I/O thread cannot start (a pids limit): the executor's start
     fails with that error, and the leader's ports are free again. Before, the

@@ -995,19 +995,20 @@ class MultiprocExecutor(Executor):
                 raise ZbusError("executor is shut down")
             self.failure.raise_if_failed()  # or failed: the nodes must not run one call more
             payload = codec.encode((tuple(args), kwargs or {})) if args or kwargs else [protocol.NO_ARGS]
-            self._seq += 1
-            frames = [protocol.call_envelope(self._seq, method, unique_reply_rank if unique else -1,
+            seq = self._seq + 1  # (taken in the try below: a Ctrl-C before it changes nothing)
+            frames = [protocol.call_envelope(seq, method, unique_reply_rank if unique else -1,
                                              len(payload), self._answered), *payload]
             # the future exists before the call is sent: whoever reads the replies completes it
-            call = Call(self, self._seq, ranks, unique, RpcFuture() if non_block else None,
+            call = Call(self, seq, ranks, unique, RpcFuture() if non_block else None,
                         deadline if non_block else None, deadline)
-            self._pending.append(call)
-            self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
             ring, nodes_got = self._bcast.ring, [False]
             started = ring.started if ring is not None else 0
             try:
+                self._seq = seq
+                self._pending.append(call)
                 self._publish(frames, deadline, nodes_got)
                 call.sent = True
+                self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
             except BaseException as e:  # its deadline, a shutdown, Ctrl-C in a wait to send
                 got = ([ring.started > started] if ring is not None else []) + (
                     nodes_got if self._leader is not None else [])
@@ -1052,8 +1053,9 @@ class MultiprocExecutor(Executor):
         still be delivered). One that only some got fails the executor: its ranks
         would not agree on the calls."""
         if not any(got):  # (no reader read it: see Completer._read_heads)
-            self._pending.pop()
-            self._seq -= 1
+            if self._pending and self._pending[-1] is call:
+                self._pending.pop()
+            self._seq = call.seq - 1
             return
         call.sent = True
         if all(got):
