@@ -106,6 +106,37 @@ def test_a_secret_given_empty_is_refused_not_taken_for_none(tmp_path, monkeypatc
     assert secret_from_env() == b"s" * 16
 
 
+def test_a_secret_file_others_may_read_is_warned_of_and_one_too_long_refused(tmp_path, monkeypatch, caplog):
+    """A secret's file that others may read (``cp`` under umask 022) was used without
+    a word, and one that was no secret (``/dev/zero``) read for ever. Now the first
+    is warned of (as ssh does; Kubernetes mounts secrets 0644, so not refused), and
+    a file over 4 KiB refused at once. Sabotage: no ``warn_if_others_read`` in
+    ``secret_from_env`` or ``_load``; ``f.read()`` whole -> ``/dev/zero`` hangs
+    (the test's timeout)."""
+    from zbus.curve import NodeCurve, keygen, secret_from_env
+
+    monkeypatch.delenv("ZBUS_SECRET", raising=False)
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32 + "\n")
+    secret.chmod(0o600)
+    with caplog.at_level("WARNING", logger="zbus.curve"):
+        assert secret_from_env(path=str(secret)) == b"s" * 32
+        assert not caplog.records
+        secret.chmod(0o644)
+        assert secret_from_env(path=str(secret)) == b"s" * 32
+        assert "readable by others (mode 644): chmod 600 it" in caplog.text
+    with pytest.raises(zbus.ZbusError, match="holds over 4096 bytes"):
+        secret_from_env(path="/dev/zero")
+    node = keygen(str(tmp_path / "keys"), 1)[1]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zbus.curve"):
+        NodeCurve.from_dir(node)
+        assert not caplog.records
+        os.chmod(os.path.join(node, "node.key_secret"), 0o644)
+        NodeCurve.from_dir(node)
+        assert "node.key_secret holds a secret and is readable by others" in caplog.text
+
+
 def test_refused_keys_are_logged_at_most_once_a_second(caplog):
     """A peer that knows the leader's public key may open connections with new
     keys as fast as it likes: each refusal was a WARNING line, written by the ZAP

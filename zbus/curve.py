@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 
 MIN_SECRET_BYTES = 16
+MAX_SECRET_FILE = 4096  # bytes: a secret file is a line (a path to /dev/zero must not hang a start)
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 MONITOR_BATCH = 1000  # handshake events read at a time
@@ -66,7 +67,11 @@ def secret_from_env(value: str | bytes | None = None, path: str | None = None) -
     path = path or (None if value is not None else os.environ.get("ZBUS_SECRET_FILE") or None)
     if value is None and path:
         with open(path, "rb") as f:
-            value = f.read()
+            warn_if_others_read(f.fileno(), path)
+            value = f.read(MAX_SECRET_FILE + 1)
+        if len(value) > MAX_SECRET_FILE:
+            raise ZbusError(f"the cluster secret file {path} holds over {MAX_SECRET_FILE} bytes: "
+                            "is it the secret?")
     if value is None:
         value = os.environ.get("ZBUS_SECRET") or None  # (empty: unset)
     if value is None:
@@ -76,6 +81,14 @@ def secret_from_env(value: str | bytes | None = None, path: str | None = None) -
         raise ZbusError(f"the cluster secret is {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES} "
                         "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
     return secret
+
+
+def warn_if_others_read(fd: int, path: str) -> None:
+    """Warn when a secret's file may be read by others than its owner (as ssh does;
+    a warning, not a refusal: Kubernetes mounts its secrets 0644 by default)."""
+    mode = os.fstat(fd).st_mode & 0o777
+    if mode & 0o077:
+        log.warning("%s holds a secret and is readable by others (mode %o): chmod 600 it", path, mode)
 
 
 def derive_key(secret: bytes, name: str) -> tuple[bytes, bytes]:
@@ -138,6 +151,9 @@ def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
     public, secret_key = zmq.auth.load_certificate(path)
     if secret and secret_key is None:
         raise ZbusError(f"{path} holds no secret key")
+    if secret:
+        with open(path, "rb") as f:
+            warn_if_others_read(f.fileno(), path)
     return public, secret_key
 
 
