@@ -337,6 +337,22 @@ def test_relay_one_takes_only_calls_the_python_relay_numbers_alike(pair, envelop
 
 
 @needs_core
+def test_relay_one_leaves_an_envelope_over_its_limit_to_python(pair):
+    """An envelope of 64 KiB and a few bytes (a method name of 65 530 characters)
+    is no call for ``read_envelope``; the compiled relay wrote it as one, and
+    numbered it, where the Python path took it for no call. Sabotage: no
+    ``n > MAX_ENVELOPE`` in ``call_envelope_seq`` -> written as call 3."""
+    from zbus import protocol
+    from zbus.agent import _call_seq
+
+    tx, rx = pair
+    frame = protocol.call_envelope(3, "m" * 65_530, -1, 0)
+    assert protocol.MAX_ENVELOPE < len(frame) and _call_seq(frame) is None
+    tx.send_multipart([b"R", frame])
+    assert relay(rx, memoryview(bytearray(2**17)), 3, limit=2**17 - 64) == [b"R", frame]
+
+
+@needs_core
 def test_wait_readable_ends_on_a_message_or_its_time_without_the_gil(pair):
     """Sabotage: ``Py_BEGIN_ALLOW_THREADS`` removed → the sending thread cannot run
     and the wait ends False after its 5 s."""

@@ -1717,6 +1717,20 @@ def test_a_reply_sent_later_is_not_kept_by_the_reply_thread():
         wait_until(lambda: gc.collect() >= 0 and alive() is None, 5, "the value freed")
 
 
+def test_a_method_name_no_worker_would_read_is_refused_before_it_is_sent():
+    """A method name of 70 000 characters made an envelope over the 64 KiB every
+    worker reads: each dropped the message as no call, and the caller waited for
+    replies that never came (for ever without a timeout). The name is refused
+    before anything is sent, and the executor serves on. Sabotage: no length check
+    in ``method_name`` -> TimeoutError after the call's 3 s."""
+    with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="a method name of 70000 characters: at most 4096"):
+            ex.collective_rpc("m" * 70_000, timeout=3)
+        assert time.monotonic() - t0 < 2
+        assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+
+
 @pytest.mark.parametrize("payload", [[], [protocol.NO_ARGS]], ids=["arguments_undecodable", "no_arguments"])
 def test_a_method_name_nested_deep_is_refused_not_the_end_of_the_worker(payload):
     """A call whose method is a list nested 1000 deep (1 KiB, an envelope

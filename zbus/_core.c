@@ -26,6 +26,7 @@
 _Static_assert(sizeof(Py_ssize_t) == 8, "the header walk and the ring's offsets assume 64-bit sizes");
 
 #define ALIGN 64
+#define MAX_ENVELOPE 65536 /* zbus.protocol.MAX_ENVELOPE: a longer one is no call */
 #define MAX_PARTS 64 /* frames and their parts in one message, on the stack; more take the Python path */
 
 static inline void full_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
@@ -470,7 +471,7 @@ static size_t mp_int(const unsigned char *p, size_t n, int unsigned_only, uint64
  * with an ASCII method name; its seq in *seq. Anything else (or an unusual encoding of one)
  * goes to the Python path, which judges it with zbus.protocol.read_envelope. */
 static int call_envelope_seq(const unsigned char *p, size_t n, uint64_t *seq) {
-    if (n < 2 || p[0] != 0x96 || p[1] != 0x01)
+    if (n < 2 || n > MAX_ENVELOPE || p[0] != 0x96 || p[1] != 0x01)
         return 0;
     size_t at = 2, used, len;
     uint64_t ignored;

@@ -219,10 +219,20 @@ def _set_outcome(future: RpcFuture, ok: bool, value: Any) -> None:
         future._call = None
 
 
+MAX_METHOD_NAME = 4096  # characters (a call's envelope holds at most protocol.MAX_ENVELOPE bytes)
+
+
 def method_name(method: str | Callable) -> str:
     """What a call names on the wire: a method name, or ``"pkg.mod:func"`` for a
     module-level function that workers import and call with the worker first.
     Code itself never travels."""
+    name = _wire_name(method)
+    if len(name) > MAX_METHOD_NAME:  # (its envelope would be refused by every worker: no reply)
+        raise ValueError(f"a method name of {len(name)} characters: at most {MAX_METHOD_NAME}")
+    return name
+
+
+def _wire_name(method: str | Callable) -> str:
     if isinstance(method, str):
         if not method:
             raise TypeError("method must be a non-empty string")
