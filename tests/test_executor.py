@@ -237,7 +237,7 @@ def test_workers_of_a_node_with_more_waiting_processes_than_cores_sleep_right_af
             ex.collective_rpc("rank_value", args=(i,), timeout=30)
         per_call = [(_sleeps(pid) - b) / 300 for pid, b in zip(pids, before)]
     print(f"sleeps per call: {per_call}")
-    assert sum(per_call) / len(per_call) > 0.5
+    assert sum(per_call) / len(per_call) > 0.2  # (the sabotage: 0.02 at most)
 
 
 def test_callables_travel_by_import_path_and_code_never_does(ex):
@@ -905,8 +905,13 @@ def test_a_worker_monitor_not_to_be_had_leaves_no_worker_running(monkeypatch):
     with pytest.raises(RuntimeError, match="can't start new thread"):
         zbus.Executor(EchoWorker, nproc_per_node=2)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert left == [], f"workers left: {left}"
-    assert len(os.listdir("/proc/self/fd")) <= fds
+    try:
+        assert left == [], f"workers left: {left}"
+        assert len(os.listdir("/proc/self/fd")) <= fds
+    finally:
+        for p in left:
+            p.kill()
+            p.wait(10)
 
 
 def test_a_worker_death_fails_the_pending_calls_with_no_thread_to_be_had(tmp_path, monkeypatch):
@@ -935,7 +940,7 @@ def test_a_worker_death_fails_the_pending_calls_with_no_thread_to_be_had(tmp_pat
 
 def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
     """Rank 1 is SIGKILLed once it is inside a 30 s call: the pending calls fail
-    with ``WorkerDiedError`` within 1 s, later ones at once, and the failure
+    with ``WorkerDiedError`` within ms (bounded at 5 s), later ones at once, and the failure
     callbacks run. Sabotage: no pidfd watch of the workers (the watcher thread
     returns at once): the call waits out its 10 s and raises ``TimeoutError``."""
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
@@ -952,8 +957,9 @@ def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
         with pytest.raises(zbus.WorkerDiedError) as info:
             pending.result(timeout=10)
         # pidfd wakes the watcher thread at once, which wakes the caller: two thread
-        # wake-ups in this process, no process to start or schedule (measured: ms)
-        assert time.monotonic() - t0 < 1.0
+        # wake-ups in this process, no process to start or schedule (measured: ms;
+        # bound well under the sabotage's 10 s, for a loaded machine)
+        assert time.monotonic() - t0 < 5.0
         assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
         assert isinstance(info.value, zbus.ExecutorFailedError)
         with pytest.raises(zbus.WorkerDiedError):
@@ -961,7 +967,7 @@ def test_worker_sigkill_mid_call_fails_pending_and_later_calls(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(zbus.WorkerDiedError):
             ex.collective_rpc("noop")
-        assert time.monotonic() - t0 < 0.1  # no wait at all: the call checks the failure first
+        assert time.monotonic() - t0 < 1.0  # no wait: the call checks the failure first
         with pytest.raises(zbus.WorkerDiedError):
             ex.check_health()
         deadline = time.monotonic() + 1.0  # the callback runs right after waiters are woken
@@ -1724,10 +1730,8 @@ def test_a_method_name_no_worker_would_read_is_refused_before_it_is_sent():
     before anything is sent, and the executor serves on. Sabotage: no length check
     in ``method_name`` -> TimeoutError after the call's 3 s."""
     with zbus.Executor(EchoWorker, nproc_per_node=2) as ex:
-        t0 = time.monotonic()
         with pytest.raises(ValueError, match="a method name of 70000 characters: at most 4096"):
             ex.collective_rpc("m" * 70_000, timeout=3)
-        assert time.monotonic() - t0 < 2
         assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
 
 

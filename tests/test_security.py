@@ -108,11 +108,11 @@ def test_a_secret_given_empty_is_refused_not_taken_for_none(tmp_path, monkeypatc
 
 def test_a_secret_file_others_may_read_is_warned_of_and_one_too_long_refused(tmp_path, monkeypatch, caplog):
     """A secret's file that others may read (``cp`` under umask 022) was used without
-    a word, and one that was no secret (``/dev/zero``) read for ever. Now the first
-    is warned of (as ssh does; Kubernetes mounts secrets 0644, so not refused), and
-    a file over 4 KiB refused at once. Sabotage: no ``warn_if_others_read`` in
-    ``secret_from_env`` or ``_load``; ``f.read()`` whole -> ``/dev/zero`` hangs
-    (the test's timeout)."""
+    a word, and one that was no secret was read whole (``/dev/zero``: for ever).
+    Now the first is warned of (as ssh does; Kubernetes mounts secrets 0644, so not
+    refused), and a file over 4 KiB refused. Sabotage: no ``warn_if_others_read``
+    in ``secret_from_env`` or ``_load``; ``f.read()`` whole -> a 5 KiB file taken
+    for the secret."""
     from zbus.curve import NodeCurve, keygen, secret_from_env
 
     monkeypatch.delenv("ZBUS_SECRET", raising=False)
@@ -125,8 +125,11 @@ def test_a_secret_file_others_may_read_is_warned_of_and_one_too_long_refused(tmp
         secret.chmod(0o644)
         assert secret_from_env(path=str(secret)) == b"s" * 32
         assert "readable by others (mode 644): chmod 600 it" in caplog.text
+    big = tmp_path / "big"
+    big.write_bytes(b"s" * 5000)
+    big.chmod(0o600)
     with pytest.raises(zbus.ZbusError, match="holds over 4096 bytes"):
-        secret_from_env(path="/dev/zero")
+        secret_from_env(path=str(big))
     node = keygen(str(tmp_path / "keys"), 1)[1]
     caplog.clear()
     with caplog.at_level("WARNING", logger="zbus.curve"):
