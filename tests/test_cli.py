@@ -201,7 +201,7 @@ def test_settings_left_empty_count_as_unset_and_bad_flags_are_usage_errors():
                       ("ZBUS_MAX_REPLY", "100")]:  # (0 dropped every join; -1 lifted ZeroMQ's limit)
         out = subprocess.run([sys.executable, "-c", sizes], capture_output=True, text=True, timeout=60,
                              env=dict(os.environ, **{name: bad}))
-        assert out.returncode == 1 and f"ValueError: {name}={bad!r}: expected a size" in out.stderr, out
+        assert out.returncode == 1 and f"SettingError: {name}={bad!r}: expected a size" in out.stderr, out
     for flags in (["follower", "--join-timeout", "nan"], ["--log-level", "verbose", "status"]):
         out = subprocess.run([sys.executable, "-m", "zbus.cli", *flags], capture_output=True, text=True,
                              timeout=60)

@@ -1757,7 +1757,10 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
     8 s later. The leader's own worker gets its STOP too, and exits 0 at once:
     until 2026-12-06 the STOP whose broadcast timed out never reached the local
     ring, and the worker waited out its 5 s grace to end by SIGTERM (sabotage: no
-    local copy in ``MultiprocExecutor._publish_stop`` -> exit code 143)."""
+    local copy in ``MultiprocExecutor._publish_stop`` -> exit code 143). So does
+    node 1's worker, whose STOP did not come either: the bye ends the ring it reads
+    (until 2026-12-07 it waited out its grace too, and was sent SIGTERM; sabotage:
+    no ``ring.close()`` on ``bye`` in ``NodeAgent._ends`` -> node 1 says so)."""
     # liveness 10 s: the leader does not lose node 2 (and say "failed", which
     # reaches node 1 on its own topic) while the shutdown waits on it
     with leader_and_two_followers(liveness_s=10.0) as (ex, procs, node2):
@@ -1773,6 +1776,8 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
             assert ex.failure.error is None  # a clean stop: "bye", not "failed"
             assert [p.returncode for p in ex._workers.procs] == [0]
             assert procs[0].wait(8) == 0
+            said = procs[0].stderr.read()
+            assert "asked to stop: SIGTERM" not in said, said
         finally:
             node2[0].resume()
 

@@ -14,6 +14,7 @@ from .errors import (
     NodeLostError,
     RemoteError,
     RingClosed,
+    SettingError,
     ShmSpaceError,
     WorkerDiedError,
     ZbusError,
@@ -46,6 +47,6 @@ __version__ = "0.1.0"
 __all__ = [
     "PROTOCOL_VERSION", "Cancelled", "CodecError", "Executor", "ExecutorFailedError", "NodeLostError",
     "RemoteError",
-    "RingClosed", "RpcFuture", "ShmSpaceError", "StartupError", "Worker", "WorkerDiedError",
+    "RingClosed", "RpcFuture", "SettingError", "ShmSpaceError", "StartupError", "Worker", "WorkerDiedError",
     "ZbusError", "__version__",
 ]

@@ -440,6 +440,8 @@ class NodeAgent:
             self.workers.stopping = True
         elif msg == ["bye"]:
             log.info("leader said bye: stopping")
+            if self.ring is not None:  # no call comes after it: the workers read what is there
+                self.ring.end()  # (STOP too, if it came), then end (its broadcast may have timed out)
             self.workers.stop(grace=5.0)
             return True
         elif type(msg) is list and msg[:1] == ["failed"]:

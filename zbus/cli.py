@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ZbusError, ValueError, OSError) as e:  # a setting, a key, a file or a port: said plainly
+    except (ZbusError, OSError) as e:  # a setting, a key, a file or a port: said plainly
         logging.getLogger("zbus.cli").debug("%s failed", args.command, exc_info=True)
         print(f"zbus {args.command}: {e}", file=sys.stderr)
         return 1

@@ -41,9 +41,7 @@ import zmq
 
 from . import codec
 from .config import size_setting
-from .errors import (
-    ZbusError,
-)
+from .errors import SettingError, ZbusError
 from .queues import bracket, send_message
 
 log = logging.getLogger(__name__)
@@ -181,16 +179,16 @@ class ClusterSettings:
 
     def _check(self) -> None:
         if self.nnodes < 1 or self.nproc_per_node < 1:
-            raise ValueError(f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) "
+            raise SettingError(f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) "
                              "must be at least 1")
         if not self.master_addr:
-            raise ValueError("master_addr is empty")
+            raise SettingError("master_addr is empty")
         if not 1 <= self.master_port <= 65534:  # the leader binds master_port and master_port + 1
-            raise ValueError(f"master_port {self.master_port} outside 1..65534: followers find the "
+            raise SettingError(f"master_port {self.master_port} outside 1..65534: followers find the "
                              "leader by this port, so it cannot be 0 (chosen at random)")
         lo, hi = LIVENESS_RANGE_S
         if not lo <= self.liveness_s <= hi:  # (what every follower takes: else none would join)
-            raise ValueError(f"liveness_s {self.liveness_s} outside {lo}..{hi} s")
+            raise SettingError(f"liveness_s {self.liveness_s} outside {lo}..{hi} s")
 
     @property
     def heartbeat_s(self) -> float:
@@ -225,7 +223,7 @@ def port_range() -> tuple[int, int] | None:
     except ValueError:
         ports = (0, 0)
     if not 1 <= ports[0] <= ports[1] <= 65535:  # (0 would bind anywhere, past the firewall's rule)
-        raise ValueError(f"ZBUS_PORT_RANGE={text!r}: expected lo-hi, 1 <= lo <= hi <= 65535")
+        raise SettingError(f"ZBUS_PORT_RANGE={text!r}: expected lo-hi, 1 <= lo <= hi <= 65535")
     return ports
 
 

@@ -30,6 +30,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from .errors import SettingError
+
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -68,7 +70,7 @@ def size_setting(name: str, default: int) -> int:
     except (ValueError, KeyError):
         value = -1
     if value < MIN_SIZE_LIMIT:
-        raise ValueError(f"{name}={text!r}: expected a size of at least 64K, e.g. '256M' or '4G'")
+        raise SettingError(f"{name}={text!r}: expected a size of at least 64K, e.g. '256M' or '4G'")
     return value
 
 
@@ -85,9 +87,9 @@ class RingGeometry:
             chunk, count = text.lower().split("x")
             geo = cls(parse_size(chunk), int(count))
         except (ValueError, KeyError):
-            raise ValueError(f"ZBUS_RING={text!r}: expected '<chunk>x<count>', e.g. '1Mx8'") from None
+            raise SettingError(f"ZBUS_RING={text!r}: expected '<chunk>x<count>', e.g. '1Mx8'") from None
         if geo.chunk_bytes < 256 or geo.chunk_bytes % 64 or geo.n_chunks < 2:
-            raise ValueError(f"ZBUS_RING={text!r}: chunk must be a multiple of 64 bytes >= 256 "
+            raise SettingError(f"ZBUS_RING={text!r}: chunk must be a multiple of 64 bytes >= 256 "
                              "and count >= 2")
         return geo
 
@@ -126,7 +128,7 @@ def _number(name: str, default: float, positive: bool = False,
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}={text!r}: expected a {'positive' if positive else 'non-negative'} number")
+        raise SettingError(f"{name}={text!r}: expected a {'positive' if positive else 'non-negative'} number")
     if within is not None and not within[0] <= value <= within[1]:
-        raise ValueError(f"{name}={text!r}: expected a number from {within[0]:g} to {within[1]:g}")
+        raise SettingError(f"{name}={text!r}: expected a number from {within[0]:g} to {within[1]:g}")
     return value

@@ -8,6 +8,11 @@ class ZbusError(Exception):
     """Base class of every zbus error."""
 
 
+class SettingError(ZbusError, ValueError):
+    """A setting (an argument, a flag or a ``ZBUS_*`` variable) out of its range:
+    a ValueError too."""
+
+
 class CodecError(ZbusError):
     """Bytes that cannot be decoded (malformed, truncated, oversize, unknown type),
     or an object that cannot be encoded."""

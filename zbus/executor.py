@@ -31,6 +31,7 @@ from .errors import (
     RemoteError,
     RingClosed,
     SendTimeout,
+    SettingError,
     WorkerDiedError,
     ZbusError,
 )
@@ -838,7 +839,7 @@ class MultiprocExecutor(Executor):
         port = metrics_port or os.environ.get("ZBUS_METRICS_PORT")
         self.metrics_port = int(port) if port else None
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:  # (before any node joins)
-            raise ValueError(f"metrics_port {self.metrics_port} outside 1..65535")
+            raise SettingError(f"metrics_port {self.metrics_port} outside 1..65535")
         self._metrics_server: Any = None
         self._seq = 0
         self._answered = 0  # every call up to this number has all its replies

@@ -217,6 +217,8 @@ class LocalWorkers:
         self.stopping = True
         try:
             if not self.wait(grace):
+                log.warning("workers %s still running %.1f s after they were asked to stop: SIGTERM",
+                            [self.procs[i].pid for i in self.alive()], grace)
                 for p in self.procs:
                     self._signal(p, signal.SIGTERM)
                 if not self.wait(term_s):

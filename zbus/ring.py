@@ -405,14 +405,21 @@ class RingWriter(_Ring):
             if waiting == 1 or (waiting and whole):
                 self._reader_bells[r].ring()
 
-    def close(self, unlink: bool = True) -> None:
-        """Tell readers no more messages come (they drain, then get RingClosed),
-        unmap, and remove the segment."""
+    def end(self) -> None:
+        """Tell readers no more messages come: they read what is there, then get
+        RingClosed. (The mapping stays: :meth:`close` unmaps it.)"""
         if self._seg._mmap is None:
             return
         self._i[_I_CLOSED] = 1  # never the state word: an abort there must stay
         _fence()
         self._wake_all()
+
+    def close(self, unlink: bool = True) -> None:
+        """Tell readers no more messages come (they drain, then get RingClosed),
+        unmap, and remove the segment."""
+        if self._seg._mmap is None:
+            return
+        self.end()
         self._close_mapping()
         if unlink:
             self._seg.unlink()
