@@ -825,6 +825,47 @@ def test_a_reply_queued_when_its_worker_exits_still_leaves():
         ctx.term()
 
 
+PULLS_AND_SAYS = """
+import sys
+from zbus.queues import ZmqReceiver
+
+rx = ZmqReceiver("127.0.0.1")
+print(rx.port, flush=True)
+while True:
+    print(rx.get(timeout=60)[1], flush=True)
+"""
+
+
+def test_a_reply_link_whose_peer_stops_answering_is_dropped_and_its_replies_sent_again():
+    """A worker's reply link is idle between calls: a firewall or NAT that forgets
+    idle flows drops it without a reset, and the next reply goes into a dead flow,
+    which TCP retries for some 15 minutes while the caller waits. The link now
+    carries ZeroMQ's heartbeats (the agent gives its workers the cluster's
+    heartbeat interval): a peer that stops answering them (here the leader's
+    process stopped by SIGSTOP, whose kernel still acknowledges TCP) is dropped
+    after three missed beats, and the kept reply is sent again, to arrive once the
+    peer answers. Sabotage: no heartbeat options in ``_with_heartbeats`` -> the
+    link is never dropped (nothing sent again)."""
+    proc = spawn_python(PULLS_AND_SAYS, stdout=subprocess.PIPE, text=True)
+    tx = None
+    try:
+        port = int(next_line(proc, time.monotonic() + 30))
+        tx = ReplySender(f"tcp://{HOST}:{port}", heartbeat_s=0.2)
+        tx.put([0, 1, 0, "first"])
+        assert next_line(proc, time.monotonic() + 30).strip() == "1"
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: tx.sent_again == 1, 20, "the link dropped, the reply sent again")
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert next_line(proc, time.monotonic() + 30).strip() == "1"  # (the copy)
+    finally:
+        if tx is not None:
+            tx.close(linger_s=0)
+        proc.kill()
+        proc.wait(10)
+
+
 def test_a_reply_waiting_for_room_gives_up_when_its_sender_closes(ctx):
     """A worker's reply thread waits to send to a leader that reads nothing (its
     queue full) while the worker ends and closes the sender: the put raises

@@ -341,6 +341,7 @@ class NodeAgent:
         env = self._worker_env(welcome.get("env") or {})  # the driver's Executor(env=...)
         self.workers = LocalWorkers(places, self.ring.handle.to_dict(),
                                     [{"push": welcome["reply_address"], "session": session,
+                                      "heartbeat_s": heartbeat_interval(self.liveness_s),
                                       "curve": self.curve.to_dict() if self.curve else None,
                                       "max_reply": welcome.get("max_reply")}] * n,
                                     [self.ring.name],

@@ -436,6 +436,22 @@ class ZmqSender:
 KEEP_REPLY_BYTES = 512 * 2**20
 
 
+def _with_heartbeats(configure: Callable[[zmq.Socket], None] | None,
+                     heartbeat_s: float) -> Callable[[zmq.Socket], None]:
+    """``configure``, then ZeroMQ's own heartbeats every ``heartbeat_s``: a link idle
+    between calls stays open through a firewall or NAT that forgets idle flows, and
+    one that dies without a word (no reset) is dropped after three missed beats,
+    which sends the kept replies again, where TCP alone retries for 15 minutes."""
+    ms = max(1, int(heartbeat_s * 1000))
+
+    def configured(sock: zmq.Socket) -> None:
+        if configure is not None:
+            configure(sock)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ms)
+    return configured
+
+
 class ReplySender(ZmqSender):
     """PUSH side of a remote rank's replies, which no reset connection loses.
 
@@ -451,8 +467,10 @@ class ReplySender(ZmqSender):
 
     def __init__(self, address: str, ctx: zmq.Context | None = None, hwm: int = 64,
                  configure: Callable[[zmq.Socket], None] | None = None, max_bytes: int | None = None,
-                 session: str | None = None):
+                 session: str | None = None, heartbeat_s: float | None = None):
         self._session = session  # the leader's, which each reply names (see zbus.datapath)
+        if heartbeat_s:
+            configure = _with_heartbeats(configure, heartbeat_s)
         # without ``ctx`` a context of its own, which close ends: only a context's end
         # waits for what is queued to leave (ZeroMQ's linger), and a worker then exits
         # with os._exit (a failed start's traceback was lost while its link formed)

@@ -386,7 +386,8 @@ def main() -> None:
         # the leader's ZBUS_MAX_REPLY: a bigger reply fails its call here, with why, rather than
         # being cut off with the connection at the leader (its caller would wait for it)
         out: Any = ReplySender(resp["push"], configure=curve.client if curve else None,
-                               max_bytes=resp.get("max_reply"), session=resp.get("session"))
+                               max_bytes=resp.get("max_reply"), session=resp.get("session"),
+                               heartbeat_s=resp.get("heartbeat_s"))
     else:
         out = ShmSender(resp, policy)
     try:
