@@ -1196,6 +1196,27 @@ def relay_waiting_on_a_long_call(leading: PosingLeader, seconds: float) -> None:
         leading.call(seq, "noop")
 
 
+def test_a_follower_that_takes_its_leader_for_lost_says_so():
+    """The leader's heartbeats stop reaching a follower (a partition one way, or an
+    agent that stopped reading behind a long call): it ends its workers and exits
+    1, and tells the leader why, as a node that gives up for any other reason does:
+    the leader fails it at once, naming the reason, not a liveness limit later for
+    "no heartbeat". Sabotage: no ``_tell_leader`` on ``LeaderLost`` in
+    ``NodeAgent.run`` -> nothing said."""
+    leading = PosingLeader()
+    try:
+        leading.welcome(liveness_s=1.0)
+        said, deadline = None, time.monotonic() + 30
+        while said is None and time.monotonic() < deadline:  # (no heartbeat sent)
+            msg = leading.receive(100)
+            if type(msg) is list and msg[:1] in (["leaving"], ["refused"]):
+                said = msg
+        assert said is not None and "lost: no heartbeat for" in said[-1], said
+        assert leading.proc.wait(30) == 1
+    finally:
+        leading.close()
+
+
 def test_a_relay_waiting_on_a_long_call_keeps_its_leader_on_heartbeats_alone():
     """The follower's relay waits for room behind a 4 s call, and only the leader's
     heartbeats come (every 0.1 s, liveness 1 s): they took a place each in what the

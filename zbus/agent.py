@@ -227,6 +227,8 @@ class NodeAgent:
         except LeaderLost as e:
             log.error("%s: ending this node's workers", e)
             self._stop_grace = 0.2  # no leader to answer: free the GPUs at once
+            if welcomed:  # (a leader alive that we no longer hear learns why at once)
+                self._tell_leader(str(e)[:500])
             return 1
         except Exception as e:  # noqa: BLE001 - a ZbusError, or a defect: the leader learns either
             known = isinstance(e, ZbusError)
