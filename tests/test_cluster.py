@@ -1740,7 +1740,8 @@ def test_a_node_takes_the_heartbeat_on_its_own_topic_as_on_the_broadcast_one():
     ``NodeAgent._serve``: node 2 ignores it and stays."""
     with leader_and_two_followers() as (ex, procs, node2):
         lead = ex._leader
-        assert lead.path.send_control(node_topic(lead.nodes[2].node_id), ["failed", "a test"])
+        assert lead.path.send_control(node_topic(lead.nodes[2].node_id),
+                                      ["failed", lead.path.session, "a test"])
         gone, alive = psutil.wait_procs(node2, timeout=3)
         assert not alive, "node 2 did not end on a failure said on its node topic"
         assert procs[1].wait(1) == 0
@@ -1760,7 +1761,7 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
     local copy in ``MultiprocExecutor._publish_stop`` -> exit code 143). So does
     node 1's worker, whose STOP did not come either: the bye ends the ring it reads
     (until 2026-12-07 it waited out its grace too, and was sent SIGTERM; sabotage:
-    no ``ring.close()`` on ``bye`` in ``NodeAgent._ends`` -> node 1 says so)."""
+    no ``ring.end()`` on ``bye`` in ``NodeAgent._ends`` -> node 1 says so)."""
     # liveness 10 s: the leader does not lose node 2 (and say "failed", which
     # reaches node 1 on its own topic) while the shutdown waits on it
     with leader_and_two_followers(liveness_s=10.0) as (ex, procs, node2):

@@ -1019,7 +1019,7 @@ class PosingLeader:
 
     def bye(self) -> str:
         """Say bye; the follower's log once it exited 0."""
-        self.xpub.send_multipart([self.topic, *codec.encode(["bye"])])
+        self.xpub.send_multipart([self.topic, *codec.encode(["bye", self.session])])
         assert self.proc.wait(30) == 0, self.proc.stderr.read()[-2000:]
         return self.proc.stderr.read()
 
@@ -1194,6 +1194,29 @@ def relay_waiting_on_a_long_call(leading: PosingLeader, seconds: float) -> None:
     leading.call(1, "sleep", seconds)
     for seq in range(2, 10):
         leading.call(seq, "noop")
+
+
+@pytest.mark.parametrize("word", [["bye"], ["failed", "an error"], ["stopping"]], ids=lambda w: w[0])
+def test_a_follower_takes_another_leaders_bye_failed_or_stopping_for_its_leader_lost(word):
+    """A node of a leader that died reconnects to one started since at the same
+    address, and hears its broadcasts until it sees its heartbeat. That leader's
+    ``bye`` made it exit 0 (an orchestrator reads "done" and restarts nothing), its
+    ``failed`` ended it as this cluster's failure, its ``stopping`` made it keep
+    its own workers' deaths to itself. Each now names its leader's session, and
+    another session's is another leader: the node ends as its leader lost (exit
+    1, saying so) at once. (Its own leader's ``bye``: ``PosingLeader.bye``, exit
+    0.) Sabotage: no ``_check_leader`` for them in ``NodeAgent._ends`` -> exit 0,
+    a failure logged as this cluster's, or nothing until the 5 s liveness limit."""
+    leading = PosingLeader()
+    try:
+        leading.welcome(liveness_s=5.0)
+        leading.await_calls_heard()
+        leading.xpub.send_multipart([b"H", *codec.encode([word[0], "another", *word[1:]])])
+        assert leading.proc.wait(30) == 1
+        said = leading.proc.stderr.read()
+        assert "another leader at 127.0.0.1" in said and "no heartbeat" not in said, said[-2000:]
+    finally:
+        leading.close()
 
 
 def test_a_follower_that_takes_its_leader_for_lost_says_so():

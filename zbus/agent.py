@@ -439,16 +439,19 @@ class NodeAgent:
         if type(msg) is list and msg[:1] == ["dropped"]:  # too slow to join
             self._subscribed = False  # no member: its "leaving" would name a rank another may hold
             raise ZbusError(f"the leader dropped this node: {str(msg[1:])[:200]}")
-        if msg == ["stopping"]:
+        kind = msg[0] if type(msg) is list and msg else None
+        if kind in ("stopping", "bye", "failed"):  # (an orphan's new leader at this address: not ours)
+            self._check_leader(msg[1] if len(msg) > 1 else None)
+        if kind == "stopping":
             self.workers.stopping = True
-        elif msg == ["bye"]:
+        elif kind == "bye":
             log.info("leader said bye: stopping")
             if self.ring is not None:  # no call comes after it: the workers read what is there
                 self.ring.end()  # (STOP too, if it came), then end (its broadcast may have timed out)
             self.workers.stop(grace=5.0)
             return True
-        elif type(msg) is list and msg[:1] == ["failed"]:
-            log.error("the executor failed (%s): ending this node's workers", str(msg[1:])[:200])
+        elif kind == "failed":
+            log.error("the executor failed (%s): ending this node's workers", str(msg[2:])[:200])
             self.workers.stopping = True  # their exits are no news
             self._stop_grace = 0.2  # nobody waits for their results
             return True

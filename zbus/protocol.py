@@ -39,8 +39,8 @@ from .errors import CodecError
 # name the last call relayed. 3: the leader's heartbeats name its session, which
 # its welcome gave. 4: its calls go on the topic of its session (cluster.rpc_topic).
 # 5: a member's heartbeats, deaths, gaps and leaving, and its workers' replies,
-# name that session too.
-PROTOCOL_VERSION = 5
+# name that session too. 6: so do the leader's stopping, bye and failed.
+PROTOCOL_VERSION = 6
 CALL, STOP = 1, 2
 MAX_ENVELOPE = 65536  # bytes: a method's name and five ints
 NO_ARGS = codec.encode(((), {}))[0]  # the arguments of most calls, encoded once
