@@ -67,30 +67,29 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    """A flag's count: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
-    return value
-
-
-def _port(text: str, most: int = 65534) -> int:
-    """A leader's first port: 1..65534 (it binds the next one too)."""
+def _whole(text: str, most: int, expected: str) -> int:
+    """A flag's whole number from 1 to ``most``; else a usage error saying what is
+    ``expected``."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if not 1 <= value <= most:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a port from 1 to {most}")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
     return value
 
 
+def _count(text: str) -> int:
+    return _whole(text, sys.maxsize, "a whole number of at least 1")
+
+
+def _port(text: str) -> int:
+    """A leader's first port (it binds the next one too)."""
+    return _whole(text, 65534, "a port from 1 to 65534")
+
+
 def _any_port(text: str) -> int:
-    return _port(text, 65535)
+    return _whole(text, 65535, "a port from 1 to 65535")
 
 
 def format_status(st: dict) -> str:

@@ -180,12 +180,12 @@ class ClusterSettings:
     def _check(self) -> None:
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise SettingError(f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) "
-                             "must be at least 1")
+                               "must be at least 1")
         if not self.master_addr:
             raise SettingError("master_addr is empty")
         if not 1 <= self.master_port <= 65534:  # the leader binds master_port and master_port + 1
             raise SettingError(f"master_port {self.master_port} outside 1..65534: followers find the "
-                             "leader by this port, so it cannot be 0 (chosen at random)")
+                               "leader by this port, so it cannot be 0 (chosen at random)")
         lo, hi = LIVENESS_RANGE_S
         if not lo <= self.liveness_s <= hi:  # (what every follower takes: else none would join)
             raise SettingError(f"liveness_s {self.liveness_s} outside {lo}..{hi} s")

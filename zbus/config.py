@@ -90,7 +90,7 @@ class RingGeometry:
             raise SettingError(f"ZBUS_RING={text!r}: expected '<chunk>x<count>', e.g. '1Mx8'") from None
         if geo.chunk_bytes < 256 or geo.chunk_bytes % 64 or geo.n_chunks < 2:
             raise SettingError(f"ZBUS_RING={text!r}: chunk must be a multiple of 64 bytes >= 256 "
-                             "and count >= 2")
+                               "and count >= 2")
         return geo
 
 

@@ -56,10 +56,16 @@ JOIN_TEXT_MAX = 255  # a host name's most (DNS: 253), and an address's
 
 def _join_types(info: dict) -> bool:
     """Whether the fields a join has are of the types a node sends (missing ones
-    are refused later, loudly, by ``Membership._check_join``), its host and address
-    short and printable: they go into log lines, errors and ``zbus status``."""
-    return all((type(v := info[k]) is t and (t is not str or len(v) <= JOIN_TEXT_MAX and v.isprintable()))
-               or (k == "node_rank" and v is None) for k, t in JOIN_TYPES.items() if k in info)
+    are refused later, loudly, by ``Membership._check_join``)."""
+    return all(_join_field_ok(k, info[k], t) for k, t in JOIN_TYPES.items() if k in info)
+
+
+def _join_field_ok(key: str, value: Any, kind: type) -> bool:
+    """Its type; a text short and printable (the host and address go into log
+    lines, errors and ``zbus status``)."""
+    if key == "node_rank" and value is None:  # any free rank
+        return True
+    return type(value) is kind and (kind is not str or len(value) <= JOIN_TEXT_MAX and value.isprintable())
 
 
 @dataclass
