@@ -2,7 +2,7 @@
 trip, on loopback: this process leads 3 nodes x 2 workers of
 ``zbus.bench.BenchWorker`` (two ``zbus follower`` processes join it), makes 500
 no-op calls untimed, then ``--calls`` timed, each answered by the last rank, and
-reads every process's CPU times (and the agents' threads') before and after.
+reads every process's CPU times (and the leader's and agents' threads') before and after.
 
     python benchmarks/node_cpu.py [--calls N]
 
@@ -32,6 +32,14 @@ def cpu(p: Any) -> float:
     return p.user_time + p.system_time if hasattr(p, "user_time") else sum(p.cpu_times()[:2])
 
 
+def thread_name(pid: int, tid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # (a thread that ended)
+        return "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=4000)
@@ -49,11 +57,11 @@ def main() -> None:
             for p in psutil.Process().children(recursive=True):
                 role = "agent" if "follower" in " ".join(p.cmdline()) else "worker"
                 procs[f"{role} {p.pid}"] = p
-            agents = [p for k, p in procs.items() if k.startswith("agent")]
+            threaded = {k: p for k, p in procs.items() if not k.startswith("worker")}
             for _ in range(500):
                 ex.collective_rpc("noop", unique_reply_rank=last)
             before = {k: cpu(p) for k, p in procs.items()}
-            threads = {t.id: cpu(t) for p in agents for t in p.threads()}
+            threads = {t.id: cpu(t) for p in threaded.values() for t in p.threads()}
             times = []
             for _ in range(n):
                 t = time.perf_counter()
@@ -61,11 +69,11 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
             for k, p in procs.items():
                 print(f"{k:<16} {(cpu(p) - before[k]) / n * 1e6:7.1f} us CPU per call")
-            for p in agents:
+            for k, p in threaded.items():
                 for t in p.threads():
                     used = (cpu(t) - threads.get(t.id, 0.0)) / n * 1e6
                     if used:
-                        print(f"  agent {p.pid} thread {t.id}: {used:.1f} us")
+                        print(f"  {k} thread {t.id} ({thread_name(p.pid, t.id)}): {used:.1f} us")
             total = sum(cpu(p) - before[k] for k, p in procs.items()) / n * 1e6
             print(f"all processes    {total:7.1f} us CPU per call")
             print(f"round trip, median {statistics.median(times) * 1e6:.1f} us ({n} calls)")

@@ -429,8 +429,13 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
     pub, pull, req = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL), ctx.socket(zmq.REQ)
     rpub, rpull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)  # through one relay per node
     ports = [s.bind_to_random_port(f"tcp://{host}") for s in (pub, pull, req, rpub, rpull)]
-    remote = [(node, i) for node in range(1, nnodes) for i in range(2)]
-    last = len(remote) - 1
+    # Every baseline has zbus's topology: 2 workers on each node, the leader's own
+    # among them (they hear each call, as zbus's local workers do, over ipc here).
+    ranks = [node for node in range(nnodes) for _ in range(2)]
+    last = len(ranks) - 1
+    here = "ipc://@zbus-bench-{}-" + str(os.getpid())  # abstract: one per network namespace
+    pub.bind(here.format("direct"))
+    rpub.bind(here.format("relayed"))
     procs: list[Any] = []
     relays: list[Any] = []
 
@@ -440,7 +445,7 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
 
     def direct_to_all(payload: Any) -> None:
         pub.send_multipart([b"all", payload], copy=False)
-        for _ in remote:
+        for _ in ranks:
             pull.recv()
 
     def relayed(payload: Any) -> None:
@@ -454,20 +459,23 @@ def nodes_driver(nnodes: int, seconds: float, host: str, sentinels: list[int], i
     def emit(r: Row) -> None:
         print(json.dumps(dict(asdict(r))), flush=True)
 
+    def subscriber(node: int, source: str, push: str, rank: int) -> None:
+        code = f"from zbus.baselines import sub_worker as w; w('{source}', '{push}', {rank})"
+        procs.append(spawn(node, code))
+
     try:  # (whatever fails, the baselines' processes are ended below)
-        for k, (node, _) in enumerate(remote):
-            procs.append(spawn(node, f"from zbus.baselines import sub_worker as w; "
-                                     f"w('tcp://{host}:{ports[0]}', 'tcp://{host}:{ports[1]}', {k})"))
+        for rank, node in enumerate(ranks):
+            subscriber(node, here.format("direct") if node == 0 else f"tcp://{host}:{ports[0]}",
+                       f"tcp://{host}:{ports[1]}", rank)
         procs.append(spawn(1, f"from zbus.baselines import rep_worker as w; w('tcp://{host}:{ports[2]}')"))
-        local = "ipc://@zbus-bench-relay-{}-" + str(os.getpid())  # abstract: one per network namespace
         for node in range(1, nnodes):
             relays.append(spawn(node, f"from zbus.baselines import relay as r; r('tcp://{host}:{ports[3]}', "
-                                      f"'{local.format(node)}')"))
-        for k, (node, _) in enumerate(remote):
-            procs.append(spawn(node, f"from zbus.baselines import sub_worker as w; "
-                                     f"w('{local.format(node)}', 'tcp://{host}:{ports[4]}', {k})"))
-        await_subscribers(pub, pull, len(remote))
-        await_subscribers(rpub, rpull, len(remote))
+                                      f"'{here.format(f'relay-{node}')}')"))
+        for rank, node in enumerate(ranks):
+            subscriber(node, here.format("relayed" if node == 0 else f"relay-{node}"),
+                       f"tcp://{host}:{ports[4]}", rank)
+        await_subscribers(pub, pull, len(ranks))
+        await_subscribers(rpub, rpull, len(ranks))
         with Executor(BenchWorker, nnodes=nnodes, nproc_per_node=2, master_addr=host,
                       master_port=NODES_PORT) as ex:
             world = ex.world_size
