@@ -571,6 +571,53 @@ def test_fuzzed_join_traffic_during_formation_leaves_the_leader_able_to_form():
             end_process(proc)
 
 
+def test_a_flood_of_node_topics_during_formation_keeps_no_real_node_out(monkeypatch):
+    """A peer on the leader's broadcast port subscribes to 5000 node topics of
+    nodes that never join, then a real node joins. Before, the leader took the
+    first 4096 node topics it saw and ignored the rest for good: the real node's
+    subscription was never seen, its joins never welcomed, and start-up timed out.
+    Now, at 4096, the oldest topic no join waits for is forgotten (counted as
+    ``subscription-flood``). The leader's Membership is only observed (its
+    constructor recorded). Sabotage: the old cap (``len(self._subscribed) < 4096``
+    in ``_read_subscriptions``, no eviction) -> the executor's start times out."""
+    from zbus.membership import Membership
+
+    made = []
+    init = Membership.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Membership, "__init__", recorded)
+    port = free_port_pair()
+    ctx = zmq.Context()
+    flood = ctx.socket(zmq.SUB)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.setsockopt(zmq.SNDHWM, 0)  # (else libzmq sends it only the first 1000 topics)
+    for i in range(5000):
+        flood.setsockopt(zmq.SUBSCRIBE, b"Nflood%05d" % i)
+    leading = LeaderThread(port, join_timeout=30)
+    leading.start()
+    proc = None
+    try:
+        flood.connect(f"tcp://127.0.0.1:{port}")
+        wait_until(lambda: made and len(made[0]._subscribed) >= 4096, 30, "the flood's topics read")
+        proc = follower(port, "--node-rank", "1")
+        leading.join(60)
+        assert leading.ex is not None, leading.error
+        with leading.ex as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            assert ex._leader.nodes[1].pid == proc.pid
+            assert ex._leader.dropped_by.get("subscription-flood", 0) >= 5000 - 4096, ex._leader.dropped_by
+    finally:
+        if leading.is_alive() or leading.ex is not None:
+            leading.close()
+        ctx.destroy(linger=0)
+        if proc is not None:
+            end_process(proc)
+
+
 def test_a_join_whose_rank_no_comparison_can_judge_does_not_stop_formation():
     """During formation a peer joins as node "evil" with a numpy array for its rank,
     and subscribes to its node topic so that the join is up for a welcome: it is

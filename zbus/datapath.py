@@ -666,6 +666,8 @@ class DataPath:
         truncated, too deep, a frame used twice, data that does not match its
         declared shape), ``shape`` (not a non-empty list), ``unknown-rank`` (a reply
         for no remote rank), ``unknown-kind``, ``bad-join``, ``join-flood``,
+        ``subscription-flood`` (over 4096 node topics while forming: the oldest no
+        join waits for is forgotten),
         ``late-join`` (a join once the cluster formed: refused), ``stray-refused``,
         ``other-session`` (a member's message naming another leader's session),
         ``bad-status``, ``not-owner`` (a key speaking for another node),

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 # (its node may not have noticed yet) reaches one restarted at the same address.
 MEMBER_KINDS = ("hb", "died", "leaving", "gap")
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
+MAX_NODE_TOPICS = 4096  # node topics subscribed while the cluster forms
 # The types of the join fields a node sends (``NodeAgent._join``); node_rank may be None.
 JOIN_TYPES = {"version": int, "nproc": int, "host": str, "address": str, "node_rank": int, "pid": int}
 
@@ -110,7 +111,7 @@ class Membership:
         self.formed = settings.nnodes <= 1
         self._reply_address = reply_address
         self._joins: dict[str, dict] = {}
-        self._subscribed: set[bytes] = set()
+        self._subscribed: dict[bytes, None] = {}  # node topics subscribed, oldest first
         self._probing: dict[str, NodeInfo] = {}
         self._dropped_ids: dict[str, None] = {}  # dropped while probed (the latest, in order)
         self._welcome_spec: dict = {}
@@ -166,9 +167,22 @@ class Membership:
         return ", ".join(f"{n.node_rank}:{n.host}" for n in sorted(self.nodes.values(),
                                                                    key=lambda n: n.node_rank)) or "-"
 
-    def _on_subscription(self, topic: bytes) -> None:
-        log.debug("subscription %r", topic)
-        self._subscribed.add(topic)
+    def _on_subscription(self, topic: bytes, on: bool) -> None:
+        """A node topic subscribed (``on``) or cancelled (its peer left, say). At
+        the limit, a flood of topics from peers that never join forgets the oldest
+        that no join waits for: a real node joins within 2 s of subscribing."""
+        log.debug("subscription %r %s", topic, "on" if on else "off")
+        if not on:
+            self._subscribed.pop(topic, None)
+            return
+        if topic not in self._subscribed and len(self._subscribed) >= MAX_NODE_TOPICS:
+            waited = {node_topic(n) for n in self._joins}
+            old = next((t for t in self._subscribed if t not in waited), None)
+            self.metrics.dropped(reason="subscription-flood")
+            if old is None:
+                return
+            del self._subscribed[old]
+        self._subscribed[topic] = None
         self._welcome_ready()
 
     def _on_join(self, node_id: Any, info: Any) -> None:
@@ -387,12 +401,10 @@ class Membership:
                 if not self.path.bcast.xpub.poll(0, zmq.POLLIN):
                     break
                 msg = self.path.bcast.xpub.recv()
-                if msg[:1] != b"\x01":
-                    continue
                 topic = msg[1:]
-                if not self.formed and topic[:1] == b"N" and len(topic) <= 33 \
-                        and len(self._subscribed) < 4096:
-                    self._on_subscription(topic)
+                if msg[:1] in (b"\x00", b"\x01") and not self.formed and topic[:1] == b"N" \
+                        and len(topic) <= 33:
+                    self._on_subscription(topic, msg[:1] == b"\x01")
         finally:
             self.path.xpub_lock.release()
 
@@ -486,7 +498,9 @@ class Membership:
         joining, which would otherwise wait out their join timeout."""
         try:
             if not self.formed:
-                for topic in list(self._subscribed)[:64]:
+                waited = [node_topic(n) for n in self._joins]  # those of real joiners first
+                for topic in list(dict.fromkeys([*(t for t in waited if t in self._subscribed),
+                                                 *self._subscribed]))[:64]:
                     self.path.send_control(topic, ["reject", "the leader stopped before the cluster formed"],
                                            0.2)
         except zmq.ZMQError:
