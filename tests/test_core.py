@@ -7,6 +7,7 @@ import json
 import mmap
 import os
 import struct
+import subprocess
 import threading
 import time
 
@@ -436,3 +437,44 @@ def test_ctrl_c_ends_a_wait_of_the_core_at_once(wait):
         pull.close(linger=0)
         ctx.term()
     assert took < 5, f"Ctrl-C ended the wait {took:.1f} s later"
+
+
+FORKED_FROM_A_THREAD = """
+import os, threading
+from conftest import seconds_to_ctrl_c
+from zbus import ring
+
+
+def child():
+    try:
+        words = bytearray(64)
+        took = seconds_to_ctrl_c(lambda: ring._core.poll(memoryview(words).cast("Q"), 0, 0, (), 0.0, 10.0))
+        print(f"{took:.2f}", flush=True)
+    finally:
+        os._exit(0)
+
+
+pids = []
+thread = threading.Thread(target=lambda: pids.append(os.fork() or child()))
+thread.start()
+thread.join()
+os.waitpid(pids[0], 0)
+"""
+
+
+@needs_core
+def test_ctrl_c_ends_a_wait_of_the_core_in_a_process_forked_from_a_thread():
+    """A process forked from a thread other than the main one (a server's worker
+    thread, say): the forking thread is the child's main thread, and Ctrl-C ends
+    the core's wait there at once too. Before, the core knew the main thread by
+    the id it read at import, the parent's: the child's waits never looked at
+    signals and ran out their time. Sabotage: no ``pthread_atfork`` handler in
+    ``_core.c`` -> the child's Ctrl-C comes 10 s late (it reports 10 s, or the
+    wait's end without it)."""
+    proc = spawn_python(FORKED_FROM_A_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        end_process(proc)
+    assert proc.returncode == 0 and out.strip(), err[-2000:]
+    assert float(out) < 5, f"Ctrl-C ended the forked child's wait {float(out):.1f} s later"

@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <link.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <errno.h>
@@ -301,6 +302,11 @@ static double now_s(void) {
 
 #define SIGNAL_CHECK_S 0.005
 static unsigned long main_thread_ident; /* threading.main_thread().ident, at import */
+
+/* A fork's child runs on in the thread that forked: Python makes it the main one. */
+static void forked_child(void) {
+    main_thread_ident = PyThread_get_thread_ident();
+}
 
 /* For a wait without the GIL in the main thread: every SIGNAL_CHECK_S, take the GIL
  * (`save`: the wait's thread state) and run a signal's handlers, as they run between
@@ -880,5 +886,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_XDECREF(threading);
     if (PyErr_Occurred())
         return NULL;
+    if (pthread_atfork(NULL, NULL, forked_child) != 0)
+        return PyErr_NoMemory();
     return PyModule_Create(&core_module);
 }
