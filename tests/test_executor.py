@@ -261,6 +261,20 @@ def test_async_results_come_in_order_without_blocking_the_next_call(ex):
     assert time.monotonic() - t0 >= 0.4  # the fast reply queued behind the slow one
 
 
+def test_a_future_whose_reply_thread_cannot_start_fails_its_call_not_the_worker():
+    """A method returns a Future in a worker where no thread can be had (a pids
+    limit): that call fails with the reason, and the worker serves on. Before, the
+    failed start escaped the worker's loop: the worker died (exit 1) and the
+    executor failed with it. Sabotage: no ``except RuntimeError`` in
+    ``ReplyPipe.send`` -> WorkerDiedError."""
+    with zbus.Executor(EchoWorker, nproc_per_node=1) as ex:
+        pid = ex.collective_rpc("whoami", timeout=30)[0]["pid"]
+        ex.collective_rpc("refuse_threads", args=("zbus-replies",), timeout=30)
+        with pytest.raises(zbus.RemoteError, match="no thread to send the reply of call"):
+            ex.collective_rpc("later", args=(1, 0.01), timeout=30)
+        assert ex.collective_rpc("whoami", timeout=30)[0]["pid"] == pid
+
+
 def test_tensors_in_and_out_non_contiguous_included(ex):
     torch = pytest.importorskip("torch")
     x = torch.arange(12.0).reshape(3, 4).t()  # non-contiguous
@@ -1440,6 +1454,24 @@ def test_an_orphaned_worker_whose_on_exit_clean_up_hangs_still_ends(tmp_path):
     try:
         kill_driver(proc, workers)
         assert all(os.path.exists(f"{mark}.{r}") for r in (0, 1))
+    finally:
+        end_process(proc, 0)
+        for p in workers:
+            if running(p):
+                p.kill()
+
+
+def test_an_orphaned_worker_that_cannot_start_a_thread_for_its_clean_up_still_ends():
+    """The driver is SIGKILLed in a worker process where no thread can be had (a
+    pids limit): its orphan watcher cannot run the clean-ups on threads of their
+    own, and ends the worker without them. Before, the failed start ended the
+    watcher (the worker's only way to learn its driver is gone) by an exception,
+    and the worker waited for calls for good. Sabotage: no ``except RuntimeError``
+    in ``zbus.worker._for_a_while`` -> the workers outlive the 10 s."""
+    proc, workers = driver_of_two_workers(
+        "ex.collective_rpc('refuse_threads', args=('zbus-on-exit', 'zbus-atexit'))", "time.sleep(60)")
+    try:
+        kill_driver(proc, workers)
     finally:
         end_process(proc, 0)
         for p in workers:

@@ -128,6 +128,20 @@ class EchoWorker(zbus.Worker):
             raise SystemExit(code)
         zbus.worker.on_exit(interrupted)
 
+    def zeros(self, n):
+        return bytes(n)
+
+    def refuse_threads(self, *names):
+        """From now on, starts of threads of these names fail in this process, as at
+        a pids limit."""
+        start = threading.Thread.start
+
+        def refusing(thread):
+            if thread.name in names:
+                raise RuntimeError("can't start new thread")
+            start(thread)
+        threading.Thread.start = refusing
+
     def count_at_exit(self, path, seconds):
         """An ``atexit`` hook that adds a line to ``path.<rank>``, then takes ``seconds``."""
         def hook():

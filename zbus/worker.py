@@ -127,7 +127,13 @@ class ReplyPipe:
             self._queue.append((seq, result, status))
             if self.thread is None:
                 thread = threading.Thread(target=self._drain, name="zbus-replies", daemon=True)
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError as e:  # (a pids limit) no reply can wait: this call fails, not the worker
+                    self._queue.pop()
+                    self._put([seq, protocol.RAISED, ZbusError(f"no thread to send the reply of call {seq} "
+                                                               f"on once it is ready: {e}")])
+                    return
                 self.thread = thread  # (only once started: a later reply tries again)
             self._cond.notify()
 
@@ -358,7 +364,11 @@ def _for_a_while(clean_up: Callable[[], object], name: str, seconds: float = ORP
     """Run ``clean_up`` on a thread of its own, for ``seconds`` at most: an orphan's
     may wait on a peer gone with the driver."""
     thread = threading.Thread(target=clean_up, name=name, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError as e:  # (a pids limit) unbounded here, it could keep this process for good
+        log.error("%s skipped: no thread to run it on (%s)", name, e)
+        return
     thread.join(seconds)
 
 
