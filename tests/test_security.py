@@ -848,6 +848,35 @@ def test_connections_that_never_handshake_stall_no_keyed_leader(monkeypatch):
         ex.check_health()
 
 
+def test_a_reply_just_under_the_limit_reaches_a_keyed_leader(monkeypatch):
+    """Replies of sizes up to the leader's ``ZBUS_MAX_REPLY`` and just past it, on
+    keyed links: each one is answered or refused with the reason. CurveZMQ boxes
+    each frame in 33 more bytes, and ZeroMQ holds a frame to the limit before it
+    decrypts it. Before, a reply within the limit whose frame came within 33 bytes
+    of it was dropped by the leader's ZeroMQ with its connection; the worker sent
+    it again on every reconnection, and its caller waited. Sabotage: the leader's
+    ``MAXMSGSIZE`` at the limit itself (no ``FRAME_SLACK``) -> a call times out."""
+    limit = 2**20
+    monkeypatch.setenv("ZBUS_SECRET", SECRET)
+    monkeypatch.setenv("ZBUS_MAX_REPLY", str(limit))
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, join_timeout=60) as ex:
+            answered = refused = 0
+            for n in range(limit - 48, limit - 16):
+                try:
+                    assert ex.collective_rpc("zeros", args=(n,), unique_reply_rank=1, timeout=10) == bytes(n)
+                    answered += 1
+                except zbus.RemoteError as e:
+                    assert "over the" in str(e), e
+                    refused += 1
+            assert answered and refused, (answered, refused)
+    finally:
+        end_process(proc)
+
+
 def test_a_node_with_another_secret_is_refused_at_the_handshake(tmp_path, monkeypatch, caplog):
     """The node's keys (and the leader's public key it expects) differ: the handshake
     fails before ZAP, and the leader logs it. Sabotage: derive keys without the

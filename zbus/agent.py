@@ -41,7 +41,7 @@ from .cluster import (
     touch_health,
 )
 from .config import MAX_POLL_S, RingGeometry, WaitPolicy
-from .curve import NodeCurve, curve_dir_from_env, secret_from_env
+from .curve import FRAME_SLACK, NodeCurve, curve_dir_from_env, secret_from_env
 from .errors import Cancelled, CodecError, RingClosed, ZbusError
 from .processes import LocalWorkers, with_gloo_ifname
 from .queues import bracket, send_message
@@ -266,7 +266,7 @@ class NodeAgent:
             sock.setsockopt(zmq.IPV6, ":" in master_ip)  # (else ZeroMQ retries a v6 address for ever)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self.sub.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE)
+        self.sub.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE + FRAME_SLACK)
         self.sub.setsockopt(zmq.RCVHWM, 64)  # backpressure reaches the leader, not our memory
         self.push.setsockopt(zmq.SNDHWM, 1000)
         # The leader welcomes us on our node topic; we then subscribe to its calls'

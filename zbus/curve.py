@@ -52,6 +52,10 @@ MAX_SECRET_FILE = 4096  # bytes: a secret file is a line (a path to /dev/zero mu
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 MONITOR_BATCH = 1000  # handshake events read at a time
+# CurveZMQ boxes each frame in 33 more bytes (its MESSAGE command's name, nonce, MAC
+# and flags), and ZeroMQ holds the boxed frame to MAXMSGSIZE: a reader's limit
+# leaves this much over what it takes, or a frame within it drops the connection.
+FRAME_SLACK = 64
 NODE_KEY = re.compile(r"node-([1-9][0-9]*)\.key")
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 import zmq
 
 from .cluster import ClusterSettings, check_exposure, max_reply, resolve_ip
-from .curve import LeaderCurve, describe
+from .curve import FRAME_SLACK, LeaderCurve, describe
 from .datapath import PULL_RCVHWM, DataPath
 from .failure import Failure, run_every
 from .membership import Membership
@@ -51,7 +51,7 @@ class Leader:
             self.pull = self.ctx.socket(zmq.PULL)
             self.pull.setsockopt(zmq.LINGER, 0)
             self.max_reply = max_reply()
-            self.pull.setsockopt(zmq.MAXMSGSIZE, self.max_reply)
+            self.pull.setsockopt(zmq.MAXMSGSIZE, self.max_reply + FRAME_SLACK)  # (the rest is checked)
             self.pull.setsockopt(zmq.RCVHWM, PULL_RCVHWM)  # ZeroMQ's default: 1000
             if configure is not None:
                 configure(self.pull)
