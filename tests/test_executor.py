@@ -261,6 +261,54 @@ def test_async_results_come_in_order_without_blocking_the_next_call(ex):
     assert time.monotonic() - t0 >= 0.4  # the fast reply queued behind the slow one
 
 
+REAPER_REFUSED_ONCE = """
+import gc, threading, time
+import psutil, workers, zbus
+
+start = threading.Thread.start
+refused = []
+
+
+def refusing(thread):
+    if thread.name == "zbus-reaper" and not refused:
+        refused.append(thread)
+        raise RuntimeError("can't start new thread")
+    start(thread)
+
+
+threading.Thread.start = refusing
+try:
+    zbus.Executor(workers.EchoWorker, nproc_per_node=1)
+except RuntimeError as e:
+    print("first:", e, flush=True)
+ex = zbus.Executor(workers.EchoWorker, nproc_per_node=1)
+worker = psutil.Process(ex.collective_rpc("whoami", timeout=30)[0]["pid"])
+del ex
+gc.collect()
+try:
+    worker.wait(15)
+    print("ended", flush=True)
+except psutil.TimeoutExpired:
+    print("running", flush=True)
+    worker.kill()
+"""
+
+
+def test_an_executor_dropped_after_a_reaper_that_could_not_start_is_shut_down():
+    """The first executor of a process cannot start its reaper thread (a pids
+    limit) and fails; a later one, dropped without a shutdown, is shut down by the
+    reaper all the same (its worker ends). Before, the failed thread was kept as
+    the reaper: none was ever started again, and dropped executors' workers ran
+    until the driver exited. Sabotage: assign ``_reaper`` before its start in
+    ``_start_reaper`` again -> "running"."""
+    proc = spawn_python(REAPER_REFUSED_ONCE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        end_process(proc)
+    assert out.splitlines() == ["first: can't start new thread", "ended"], (out, err[-2000:])
+
+
 def test_a_future_whose_reply_thread_cannot_start_fails_its_call_not_the_worker():
     """A method returns a Future in a worker where no thread can be had (a pids
     limit): that call fails with the reason, and the worker serves on. Before, the

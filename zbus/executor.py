@@ -324,8 +324,8 @@ class Executor:
         self._completing = OwnedLock()
         self._shut_down = threading.Event()  # set once the first shutdown is done
         self._shutting_down_in = 0  # the thread of the first shutdown (its callbacks may call it)
-        self._closed = False
         _start_reaper()
+        self._closed = False  # (after: one that failed to start is not shut down when dropped)
 
     # --- public API ----------------------------------------------------------------
 
@@ -587,8 +587,9 @@ def _start_reaper() -> None:
     global _reaper
     with _reaper_lock:
         if _reaper is None:
-            _reaper = threading.Thread(target=_reap, name="zbus-reaper", daemon=True)
-            _reaper.start()
+            reaper = threading.Thread(target=_reap, name="zbus-reaper", daemon=True)
+            reaper.start()
+            _reaper = reaper  # (once started: a start that failed, at a pids limit, is tried again)
 
 
 def _reap() -> None:
