@@ -261,6 +261,36 @@ def test_async_results_come_in_order_without_blocking_the_next_call(ex):
     assert time.monotonic() - t0 >= 0.4  # the fast reply queued behind the slow one
 
 
+FORKED_CHILD_SHUTS_DOWN = """
+import os, sys
+import workers, zbus
+
+with zbus.Executor(workers.EchoWorker, nproc_per_node=2) as ex:
+    pid = os.fork()
+    if pid == 0:  # a child that leaves the with-block (sys.exit, a returning function)
+        try:
+            ex.shutdown()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    print(ex.collective_rpc("echo", args=(1,), timeout=10), flush=True)
+"""
+
+
+def test_a_shutdown_in_a_forked_child_leaves_the_parents_executor_serving():
+    """A process forked from the driver shuts its copy of the executor down (it
+    left a ``with`` block, say): the parent's workers serve on. Before, the copy
+    sent STOP into the parent's ring, told its monitor to stop and closed the
+    rings: the parent's next call failed. Sabotage: no pid check in
+    ``MultiprocExecutor.shutdown`` -> the parent's call fails."""
+    proc = spawn_python(FORKED_CHILD_SHUTS_DOWN, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        end_process(proc)
+    assert proc.returncode == 0 and out.splitlines() == ["[((1,), {}), ((1,), {})]"], (out, err[-2000:])
+
+
 REAPER_REFUSED_ONCE = """
 import gc, threading, time
 import psutil, workers, zbus

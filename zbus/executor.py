@@ -325,6 +325,7 @@ class Executor:
         self._shut_down = threading.Event()  # set once the first shutdown is done
         self._shutting_down_in = 0  # the thread of the first shutdown (its callbacks may call it)
         _start_reaper()
+        self._pid = os.getpid()  # a forked child's copy shuts nothing down: it is all its parent's
         self._closed = False  # (after: one that failed to start is not shut down when dropped)
 
     # --- public API ----------------------------------------------------------------
@@ -1218,7 +1219,11 @@ class MultiprocExecutor(Executor):
         threads) are woken and get ZbusError before anything they use is closed.
         A shutdown while another runs returns once that one is done, except in a
         callback on that one's thread or on a thread of the executor, which that
-        one may be joining."""
+        one may be joining. In a process forked from the driver it only closes this
+        copy: the workers, rings and nodes are the parent's."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
         with self._state_lock:
             first, self._closed = not self._closed, True
             if first:
