@@ -1487,6 +1487,52 @@ def test_workers_end_with_a_sigkilled_driver_whose_forked_child_lives_on():
                 pass
 
 
+FORK_AS_WORKERS_START = """
+import os, time
+import zbus, zbus.processes, workers
+
+real = zbus.processes.worker_env
+calls = []
+
+
+def forking(*args):  # a fork between the workers' starts (another thread's, say)
+    calls.append(1)
+    if len(calls) == 2 and os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    return real(*args)
+
+
+zbus.processes.worker_env = forking
+ex = zbus.Executor(workers.EchoWorker, nproc_per_node=2)
+print(' '.join(str(i['pid']) for i in ex.collective_rpc('whoami')), flush=True)
+time.sleep(60)
+"""
+
+
+def test_workers_end_with_a_sigkilled_driver_that_forked_as_they_started():
+    """The driver forks a child that outlives it while its workers are being
+    started (between two of them): SIGKILL the driver and they still end. Before,
+    the death pipe's write end was closed in forked children only once every
+    worker had started, and a child forked before held it open: the workers
+    served on as long as it lived. Sabotage: ``_alive.add(self)`` at the end of
+    ``LocalWorkers.__init__`` again -> they outlive the 10 s."""
+    proc = spawn_python(FORK_AS_WORKERS_START, stdout=subprocess.PIPE)
+    started: list[psutil.Process] = []
+    try:
+        workers = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        started = psutil.Process(proc.pid).children()
+        assert len(workers) == 2 and len(started) == 3  # and the forked child
+        kill_driver(proc, workers)
+    finally:
+        for p in started:
+            if running(p):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
+        end_process(proc)
+
+
 def test_workers_orphaned_inside_a_call_run_their_atexit_hooks(tmp_path):
     """A library's clean-up registered with ``atexit`` (vLLM's CPU all-reduce removes
     its shared memory so) still runs when the driver is SIGKILLed while the workers

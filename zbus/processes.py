@@ -141,6 +141,7 @@ class LocalWorkers:
                  master_addr: str, master_port: int, extra_env: dict[str, str],
                  on_death: Callable[[int, int | None], None]):
         death_r, self._death_w = os.pipe()
+        _alive.add(self)  # (at once: a fork while the workers start must not keep the write end)
         self._stop_r, self._stop_w = os.pipe()
         self.procs: list[subprocess.Popen] = []
         self._on_death = on_death
@@ -169,12 +170,11 @@ class LocalWorkers:
         except BaseException:
             os.close(death_r)
             self.kill()
-            for fd in (*pidfds, self._death_w, self._stop_r, self._stop_w):
+            death_w, self._death_w = self._death_w, -1  # (first: a fork now must not close it again)
+            for fd in (*pidfds, death_w, self._stop_r, self._stop_w):
                 os.close(fd)
-            self._death_w = -1
             raise
         os.close(death_r)
-        _alive.add(self)
 
     def _watch(self, pidfds: list[int]) -> None:
         poller = select.poll()
