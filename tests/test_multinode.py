@@ -337,3 +337,36 @@ def test_compose_commands_run_the_demo_across_three_nodes(cluster):
     assert wait_exit(followers, 30) == [0, 0]
     for node in cluster.nodes:
         assert node.shm_segments() == [] and node.pids() == []
+
+
+def test_a_cluster_whose_first_node_fails_to_close_still_closes_the_others(monkeypatch):
+    """The harness's own teardown: listing node 0's processes times out (``ip``
+    slow or stuck) as the cluster closes. The error is raised, and every other
+    node is still ended and deleted, node 0's namespace too. Before, the loop
+    stopped at node 0: nodes 1 and 2 kept their sentinel processes, namespaces
+    and /etc/netns folders, and the switch its namespace. (``_ip`` is wrapped to
+    time out for that one command; every namespace is real.) Sabotage: the old
+    loop in ``NetnsCluster.close`` (no ``run_every``) -> nodes left."""
+    import zbus.netns
+
+    real = zbus.netns._ip
+    c = NetnsCluster(3)
+    c.__enter__()
+    names = [n.ns for n in c.nodes] + [c.switch]
+
+    def slow_pids_of_node_0(*args, **kwargs):
+        if args[:2] == ("netns", "pids") and args[2] == c.nodes[0].ns:
+            raise subprocess.TimeoutExpired(["ip", *args], 10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(zbus.netns, "_ip", slow_pids_of_node_0)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            c.close()
+        listed = real("netns", "list").stdout
+        assert [n for n in names if n in listed] == [], listed
+        assert [n.sentinel.pid for n in c.nodes if n.sentinel.poll() is None] == []
+        assert [n.ns for n in c.nodes if os.path.exists(f"/etc/netns/{n.ns}")] == []
+    finally:
+        monkeypatch.setattr(zbus.netns, "_ip", real)
+        c.close()

@@ -21,6 +21,8 @@ import time
 
 import psutil
 
+from .failure import run_every
+
 SUBNET = "10.213.{}.{}"
 
 
@@ -86,7 +88,8 @@ class NetnsCluster:
     """``with NetnsCluster(3) as c:`` nodes ``c.nodes[0]`` (leader), 1, 2."""
 
     def __init__(self, n_nodes: int):
-        self.prefix = f"zb{os.getpid() % 100000}{int(time.time() * 1000) % 1000}"
+        # (padded: pid 1234 at ms 567 must not name what pid 12345 at ms 67 does)
+        self.prefix = f"zb{os.getpid() % 100000:05d}{int(time.time() * 1000) % 1000:03d}"
         self.net = os.getpid() % 200 + 20
         self.switch = f"{self.prefix}sw"
         self.nodes = [Node(self, i) for i in range(n_nodes)]
@@ -131,9 +134,15 @@ class NetnsCluster:
                 raise RuntimeError(f"node {node.name} did not start")
 
     def close(self) -> None:
-        """Kill every process of every node by pid, then delete the namespaces."""
-        for node in self.nodes:
-            for proc in node.procs:
+        """Kill every process of every node by pid, then delete the namespaces: each
+        node's teardown runs whatever cut another short (a timeout, a Ctrl-C)."""
+        run_every(*(lambda node=node: self._close_node(node) for node in self.nodes),
+                  lambda: _ip("netns", "del", self.switch, check=False))
+
+    @staticmethod
+    def _close_node(node: Node) -> None:
+        def kill() -> None:
+            for proc in node.procs + ([node.sentinel] if node.sentinel else []):
                 if proc.poll() is None:
                     proc.kill()
             for pid in _ip("netns", "pids", node.ns, check=False).stdout.split():
@@ -141,11 +150,13 @@ class NetnsCluster:
                     os.kill(int(pid), 9)
                 except ProcessLookupError:
                     pass
+
+        def reap() -> None:
             for proc in node.procs + ([node.sentinel] if node.sentinel else []):
                 try:
                     proc.wait(10)
                 except (subprocess.TimeoutExpired, psutil.TimeoutExpired):
                     pass
-            _ip("netns", "del", node.ns, check=False)
-            shutil.rmtree(f"/etc/netns/{node.ns}", ignore_errors=True)
-        _ip("netns", "del", self.switch, check=False)
+
+        run_every(kill, reap, lambda: _ip("netns", "del", node.ns, check=False),
+                  lambda: shutil.rmtree(f"/etc/netns/{node.ns}", ignore_errors=True))
