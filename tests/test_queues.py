@@ -783,6 +783,31 @@ def test_a_reply_too_big_to_keep_leaves_the_kept_copies_of_the_others(ctx, monke
         rx.close()
 
 
+def test_a_ready_reply_lost_with_its_connection_is_sent_again(ctx):
+    """A worker's READY reached the leader's socket, and the connection dropped
+    before the leader read it: READY is sent again on the next connection. Before,
+    only calls' replies were kept: the start-up waited out its timeout for a rank
+    that had answered, and named it as never ready. Sabotage: keep only ``0 < seq``
+    in ``ReplySender.put`` -> nothing sent again."""
+    from zbus import protocol
+
+    rx = ZmqReceiver(HOST, ctx=ctx)
+    port = rx.port
+    tx = ReplySender(f"tcp://{HOST}:{port}", ctx=ctx)
+    try:
+        tx.put([0, protocol.READY, protocol.OK, {"pid": 1}])
+        assert rx.sock.poll(10_000), "READY never reached the reader"
+        rx.close()  # unread: lost with the connection
+        wait_until(lambda: tx.sent_again >= 1, 10, "READY sent again")
+        rx = ZmqReceiver(HOST, port, ctx=ctx)
+        assert rx.get(timeout=10) == [0, protocol.READY, protocol.OK, {"pid": 1}]
+        tx.ack(0)  # the first call: the copy goes
+        assert not tx._kept
+    finally:
+        tx.close(linger_s=0)
+        rx.close()
+
+
 SENDS_THEN_EXITS = """
 import os, sys
 from zbus.queues import ReplySender

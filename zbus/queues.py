@@ -490,7 +490,7 @@ class ReplySender(ZmqSender):
     def put(self, obj: Any, timeout: float | None = None) -> None:
         """Send a reply ``[rank, seq, status, value]`` (as ``[session, rank, seq,
         status, value]`` given the leader's session) and keep a copy of it (a call's,
-        ``seq`` > 0) until :meth:`ack` says the driver has it. A put waiting for room
+        ``seq`` > 0, or READY) until :meth:`ack` says the driver has it. A put waiting for room
         when :meth:`close` begins raises Cancelled: close must not close the socket
         under a send."""
         frames = codec.encode(obj if self._session is None else [self._session, *obj])
@@ -499,7 +499,9 @@ class ReplySender(ZmqSender):
             if self._closing.is_set():  # (the socket is being closed: no thread may use it)
                 raise Cancelled("reply sender closed")
             size = self.put_frames(frames, timeout, self._closing)
-            if 0 < seq and size <= KEEP_REPLY_BYTES:  # (a bigger copy would push out every other)
+            # a call's reply, and READY (acked by the first call, which waits for every READY);
+            # not one over the limit: its copy would push out every other
+            if (0 < seq or seq == protocol.READY) and size <= KEEP_REPLY_BYTES:
                 kept = [f if type(f) is bytes else bytes(f) for f in frames]
                 self._kept.append((seq, kept, size))
                 self._kept_bytes += size
