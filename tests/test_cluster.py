@@ -1490,6 +1490,34 @@ def test_calls_sent_again_to_a_node_whose_queue_is_full_wait_for_its_next_ask(ca
         assert "missed calls 0 to 4" in str(lead.failure.error)
 
 
+def test_an_ask_for_calls_the_node_has_since_relayed_fails_nothing():
+    """Node 1 asked for calls 3 on again (a reset connection), and they reached it
+    before the leader handled the ask: its heartbeat, read at once, says it has
+    call 5, and the leader forgot its copies; the ask, which waits for the I/O
+    thread, comes after. It asks for nothing the node lacks: nothing is sent, and
+    nothing fails. Before, calls 3.. were no longer kept, and the leader failed the
+    node ("missed calls 3 to 6"). Sabotage: no ``had`` check in ``DataPath.resend``
+    -> NodeLostError."""
+    from zbus.membership import NodeInfo
+
+    with formed_leader_and_a_peer_that_reads_nothing(node_topic("n1")) as (lead, _, push, _node):
+        lead.nodes[1] = NodeInfo(1, "n1", "n1.test", "127.0.0.1", 1, 1, time.monotonic())
+        for seq in range(1, 6):
+            lead.path.sent(seq, [b"call %d" % seq], [1])
+        session = lead.path.session
+
+        def beating(done):  # node 1's heartbeat, saying it has call 5 (liveness 1 s)
+            push.send_multipart(codec.encode(["hb", 1, session, 5]))
+            return done()
+
+        wait_until(lambda: beating(lambda: not lead.path.calls._kept), 10, "the copies forgotten")
+        handled = lead.path._control_out
+        push.send_multipart(codec.encode(["gap", 1, session, 3, 6]))
+        wait_until(lambda: beating(lambda: lead.path._control_out > handled), 10, "the ask handled")
+        assert lead.failure.error is None, lead.failure.error
+        assert lead.calls_again == 0
+
+
 def test_a_sustained_burst_of_small_calls_keeps_the_slowest_node_alive():
     """Non-blocking calls non-stop for 3 x the 2 s liveness limit; node 1's worker is
     the slowest consumer (5 ms a call), and its agent never sleeps on the full ring

@@ -271,6 +271,10 @@ class SentCalls:
             self.last = seq
             self._forget(node_ranks)
 
+    def had(self, node_rank: int) -> int:
+        """The last call node ``node_rank`` is known to have relayed (0: none)."""
+        return self._have.get(node_rank, 0)
+
     def has(self, node_rank: int, seq: Any) -> None:
         """Node ``node_rank`` has relayed call ``seq`` and every call before it (no
         further than the calls sent: a peer cannot make the leader forget more)."""
@@ -380,11 +384,16 @@ class DataPath:
         sent (its replies may come before ``sent`` records it)."""
         return self.sent_seq + 1
 
-    def resend(self, node_id: str, first: Any) -> int | None:
+    def resend(self, node_id: str, node_rank: int, first: Any) -> int | None:
         """Send calls ``first``..last again to node ``node_id`` alone, on its node
         topic: how many went (fewer when its queue stayed full: the node asks again
         for the rest, and gives up after its own limit), or None if they are no
-        longer all kept (the node cannot be made whole)."""
+        longer all kept (the node cannot be made whole). Those the node is known to
+        have since it asked (its ask waited behind its heartbeat, say) are not sent."""
+        if type(first) is int and first <= self.calls.had(node_rank):
+            first = self.calls.had(node_rank) + 1
+            if first > self.calls.last:
+                return 0
         calls = self.calls.since(first)
         if calls is None:
             return None

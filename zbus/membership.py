@@ -442,7 +442,7 @@ class Membership:
             self._on_subscribed(msg[1])
         elif kind == "gap" and len(msg) == 4 and type(msg[1]) is int and msg[1] in self.nodes:
             node = self.nodes[msg[1]]  # its agent saw calls go missing (a reset connection)
-            sent = self.path.resend(node.node_id, msg[2])
+            sent = self.path.resend(node.node_id, node.node_rank, msg[2])
             if sent is None:
                 self.failure.fail(NodeLostError(node.node_rank, node.host,
                                                 f"missed calls {brief(msg[2])} to {brief(msg[3])}"))
