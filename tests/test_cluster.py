@@ -1310,6 +1310,49 @@ def formed_leader_and_a_peer_that_reads_nothing(topic: bytes, rcvbuf: int = 0):
         ctx.term()
 
 
+def test_a_join_that_waited_for_the_last_node_being_probed_is_refused_as_late():
+    """Of 2 nodes, A is welcomed as node 1 and probed; B, joining for any rank,
+    waits (A holds the last rank until it answers or expires). A answers: the
+    cluster formed, and B is refused as a late join, failing nothing. Before, B's
+    join was welcomed then, found the cluster complete, and failed start-up, where
+    B a moment later would have been refused alone. (A and B are scripted on real
+    sockets.) Sabotage: no ``formed`` branch in ``Membership._welcome_ready`` ->
+    the leader fails ("node b.test refused")."""
+    lead, port = bare_leader(nnodes=2)
+    ctx = zmq.Context()
+    a, b, push = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    try:
+        for sub, node_id in ((a, "aa" * 8), (b, "bb" * 8)):
+            sub.setsockopt(zmq.SUBSCRIBE, node_topic(node_id))
+            sub.connect(f"tcp://127.0.0.1:{port}")
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        lead.start()
+
+        def join(node_id: str) -> None:
+            push.send_multipart(codec.encode(["join", node_id, {
+                "version": protocol.PROTOCOL_VERSION, "nproc": 1, "host": f"{node_id[0]}.test",
+                "address": "127.0.0.1", "node_rank": None, "pid": 1}]))
+
+        def heard(sub: zmq.Socket, kind: str) -> bool:
+            while sub.poll(100):
+                if codec.decode(sub.recv_multipart()[1:])[0] == kind:
+                    return True
+            return False
+
+        wait_until(lambda: join("aa" * 8) or heard(a, "welcome"), 20, "A welcomed")
+        wait_until(lambda: join("bb" * 8) or "bb" * 8 in lead.membership._joins, 20, "B's join waiting")
+        push.send_multipart(codec.encode(["subscribed", "aa" * 8]))
+        wait_until(lambda: heard(b, "reject"), 20, "B refused")
+        assert lead.membership.formed and lead.nodes[1].node_id == "aa" * 8
+        assert lead.failure.error is None, lead.failure.error
+        assert lead.dropped_by.get("late-join", 0) >= 1
+    finally:
+        lead.close()
+        for sock in (a, b, push):
+            sock.close(linger=0)
+        ctx.term()
+
+
 def test_a_join_whose_host_or_address_is_long_or_unprintable_is_dropped():
     """A join's host and address go into the leader's log lines, its failures'
     texts and ``zbus status``: a peer's join with a name of 1000 bytes (up to 60 KB

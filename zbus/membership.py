@@ -193,10 +193,7 @@ class Membership:
             return  # a repeated join of a node already welcomed
         log.debug("join from %s (%s)", info.get("host"), node_id)
         if self.formed:
-            self.path.drop(f"a join from {brief(info.get('host', '?'))}: the cluster is formed", "late-join")
-            # never waits for room: a joiner that reads nothing would hold this thread up
-            self.path.send_control(node_topic(node_id), ["reject", "the cluster is already formed"],
-                                   timeout=1.0, wait=False)
+            self._refuse_late(node_id, info)
             return
         if len(self._joins) >= MAX_PENDING_JOINS and node_id not in self._joins:
             # A flood of joins from nodes that never subscribe: forget the oldest. A real
@@ -210,13 +207,23 @@ class Membership:
         self._joins[node_id] = info
         self._welcome_ready()
 
+    def _refuse_late(self, node_id: str, info: dict) -> None:
+        """A join once the cluster formed: refused, failing nothing."""
+        self.path.drop(f"a join from {brief(info.get('host', '?'))}: the cluster is formed", "late-join")
+        # never waits for room: a joiner that reads nothing would hold this thread up
+        self.path.send_control(node_topic(node_id), ["reject", "the cluster is already formed"],
+                               timeout=1.0, wait=False)
+
     def _welcome_ready(self) -> None:
         """Welcome the joins whose node topic subscription has arrived (the welcome
         goes on that topic); probes then check the node's other subscriptions. A
         join for a rank that a node still being probed holds waits: that node may
-        have died (then it expires) or may answer (then this join is refused)."""
+        have died (then it expires) or may answer (then this join is refused, as
+        late once the cluster formed)."""
         for node_id in [n for n in self._joins if node_topic(n) in self._subscribed]:
-            if not self._held_by_probing(self._joins[node_id].get("node_rank")):
+            if self.formed:
+                self._refuse_late(node_id, self._joins.pop(node_id))
+            elif not self._held_by_probing(self._joins[node_id].get("node_rank")):
                 self._welcome(node_id, self._joins.pop(node_id))
 
     def _held_by_probing(self, rank: Any) -> bool:
