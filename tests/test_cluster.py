@@ -835,6 +835,61 @@ def test_a_ctrl_c_as_a_reply_is_taken_loses_no_reply(where, when, monkeypatch):
             end_process(proc)
 
 
+@pytest.mark.parametrize("when", ["filing", "between-frames"])
+def test_a_ctrl_c_as_a_remote_reply_is_read_off_the_socket_loses_no_reply(when, monkeypatch):
+    """A Ctrl-C (KeyboardInterrupt) lands in the caller's thread once a remote
+    rank's reply was taken off the leader's socket: as it is filed, or between its
+    frames. The call is cut short, and the executor serves on, the next call
+    answered right. Before, the reply was in no other place: lost, so the next
+    call waited for it, then failed the executor with a protocol error (or, with
+    its frames cut apart, read the rest as a message of its own). Sabotage: re-raise
+    at once in ``DataPath._read_one`` (no second ``_rest_of`` and ``_file``) ->
+    the next call fails."""
+    from zbus import datapath
+
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        ex = leader(port, nnodes=2, join_timeout=60)
+        armed = [True]
+
+        def ctrl_c_once() -> None:
+            if armed and threading.current_thread() is threading.main_thread():
+                armed.clear()
+                raise KeyboardInterrupt
+        put, rest_of = datapath.RemoteReceiver.put, datapath._rest_of
+
+        def ctrl_c_then_put(self, reply):
+            if reply[0] == 1:
+                ctrl_c_once()
+            put(self, reply)
+
+        def ctrl_c_between_frames(sock, frames):
+            if frames[-1].more:
+                ctrl_c_once()
+            rest_of(sock, frames)
+        if when == "filing":
+            monkeypatch.setattr(datapath.RemoteReceiver, "put", ctrl_c_then_put)
+        else:
+            monkeypatch.setattr(datapath, "_rest_of", ctrl_c_between_frames)
+        try:
+            big = b"x" * 100_000  # (echoed in a tuple: in a frame of its own)
+            for _ in range(50):  # (until the caller, not the I/O thread, read the reply)
+                try:
+                    assert ex.collective_rpc("echo", args=(big,), timeout=30) == [((big,), {})] * 2
+                except KeyboardInterrupt:
+                    break
+            assert not armed
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+            assert ex.collective_rpc("echo", args=(big, 1), timeout=30) == [((big, 1), {})] * 2
+            ex.check_health()
+        finally:
+            monkeypatch.undo()
+            ex.shutdown()
+    finally:
+        end_process(proc)
+
+
 @pytest.mark.parametrize("where", ["envelope", "metrics"])
 def test_a_ctrl_c_as_a_call_is_made_ready_to_send_loses_no_call(where, monkeypatch):
     """A Ctrl-C lands while a call is made ready to send: as its envelope is
@@ -1869,7 +1924,7 @@ def test_the_nodes_of_a_leader_before_at_the_same_address_keep_no_node_alive_and
     while node 2's agent is stopped (SIGSTOP): node 2 is still lost for "no
     heartbeat" within the 2 s liveness limit. Sabotage: no ``msg[2] !=
     self.session`` in ``Membership.handle`` -> the executor fails with node 1 "it
-    left"; no ``tagged[0] != self._reply_tag`` in ``DataPath._recv_control`` ->
+    left"; no ``tagged[0] != self._reply_tag`` in ``DataPath._checked_message`` ->
     the call's result has the orphan's answer."""
     with leader_and_two_followers() as (ex, procs, node2):
         lead = ex._leader

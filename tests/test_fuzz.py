@@ -531,7 +531,7 @@ CALL = st.integers(0, 10**6)
 def test_leader_drops_each_message_the_codec_refuses_once(leader, frames, i):
     """Frames named twice, sizes declared past the data, bad dtypes, shapes and
     strides: each envelope is refused by the codec and counted once.
-    Sabotage: drop the ``self.drop`` call of DataPath._recv_control's CodecError
+    Sabotage: drop the ``self.drop`` call of DataPath._checked_message's CodecError
     branch (what has no reply head goes uncounted), or make RemoteReceiver.expects
     return True (the error reply to a call never sent is queued, uncounted, and
     fails the executor's next call with a protocol error). Each: 2 of 4 counted."""

@@ -347,7 +347,7 @@ def test_a_reply_to_a_call_not_in_flight_is_dropped_before_it_is_decoded(slow_he
     on. A reply is decoded by the caller that takes it, never by the thread that
     reads the socket for everyone. Before, that thread decoded each first: some
     14 s without reading heartbeats or sending its own, and the node was lost.
-    Sabotage: decode in ``DataPath._recv_control`` again (``Undecoded`` replaced by
+    Sabotage: decode in ``DataPath._checked_message`` again (``Undecoded`` replaced by
     ``codec.decode(frames)[3]``) -> the executor fails (NodeLostError)."""
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")
@@ -366,7 +366,7 @@ def test_small_messages_that_would_decode_into_millions_of_objects_stall_no_read
     are answered and the node (liveness 2 s) stays. Before, each was decoded (50-60
     ms) and only then found too big, 256 in one pass of the thread reading the
     socket: the caller holding it overran its timeout by seconds and heartbeats
-    went unread. Sabotage: estimate after decoding in ``DataPath._recv_control``
+    went unread. Sabotage: estimate after decoding in ``DataPath._checked_message``
     (as before) -> TimeoutError or NodeLostError, or with the pass's time limit
     kept, the flood's messages decoded."""
     from zbus import codec
@@ -421,7 +421,7 @@ def test_a_reply_over_the_largest_reply_is_not_kept_while_its_call_waits(monkeyp
     two 600 KiB frames (each within ZeroMQ's per-frame limit), becomes its call's
     error as it arrives, its frames not kept, and the call fails naming the
     setting. Sabotage: file every reply undecoded, whatever its size (``size <=
-    self.max_reply`` dropped in ``DataPath._recv_control``) -> its 1.2 MiB of
+    self.max_reply`` dropped in ``DataPath._checked_message``) -> its 1.2 MiB of
     frames are kept until the call reads them, and the error names no setting."""
     from zbus import codec
 
@@ -451,7 +451,7 @@ def test_big_join_requests_are_dropped_while_the_cluster_forms():
     and counted (before, the leader kept the last 256 of either). The follower then
     joins (measured: 600 dropped, peak growth 5 MiB).
     Sabotage: remove the object_bytes test (``self._msg_bytes > MAX_CONTROL_MESSAGE``)
-    from DataPath._recv_control (small joins are then kept as far as the control
+    from DataPath._checked_message (small joins are then kept as far as the control
     backlog's 64 MiB lets them through: 554 dropped, peak growth 39 MiB). Or remove
     both MAX_CONTROL_MESSAGE tests (the big joins too: 512 dropped, peak growth
     69 MiB)."""

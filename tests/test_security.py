@@ -301,7 +301,7 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
     ``_Decoder._ndarray`` → fails (a 40-byte message makes the leader allocate
     128 MiB, then it is dispatched). With the codec checks in place each of these
     fails earlier, at ``codec.decode``. Count no drop for a CodecError in
-    ``DataPath._recv_control`` → fails on the first batch (the old
+    ``DataPath._checked_message`` → fails on the first batch (the old
     ``dropped >= 5000`` passed on the flood alone)."""
     for why, messages in CRAFTED.values():
         for frames in messages:
@@ -411,7 +411,7 @@ def test_a_control_message_holding_a_tensor_makes_the_leader_load_nothing():
     leader that had not loaded it) before the tensor was judged. A node's control
     message is decoded as plain data now, and the tensor refused unbuilt. The
     leader runs in a process of its own, without torch. Sabotage: decode control
-    messages with ``plain=False`` in ``DataPath._recv_control`` -> torch loaded."""
+    messages with ``plain=False`` in ``DataPath._checked_message`` -> torch loaded."""
     script = f"""
 import json, sys, time, zmq, msgpack
 sys.path[:0] = {TEST_PATH.split(os.pathsep)!r}
@@ -624,7 +624,7 @@ def test_a_join_whose_rank_no_comparison_can_judge_does_not_stop_formation():
     dropped, and the real node joins after it. Since 2026-12-07 a node's control
     message is decoded as plain data, and the array refused (``undecodable``);
     before, ``Membership._join_types`` dropped it as ``bad-join``. Sabotage: both
-    gone (``plain=False`` in ``DataPath._recv_control``, no ``_join_types`` check
+    gone (``plain=False`` in ``DataPath._checked_message``, no ``_join_types`` check
     in ``Membership._on_join``): every welcome check raises on ``rank in (None,
     -1)``, the poisoned join is never removed, and the real node is never welcomed
     (the executor's start times out)."""
@@ -771,7 +771,7 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     make DataPath._sent_by_owner return True: fails (nothing counted as
     ``not-owner``; the forged "died" fails the executor with WorkerDiedError).
     Return an undecodable reply before the key's check in
-    ``DataPath._recv_control`` (as before): it counts as ``unexpected-reply``."""
+    ``DataPath._checked_message`` (as before): it counts as ``unexpected-reply``."""
     from zbus.curve import NodeCurve
 
     keygen(str(tmp_path), nodes=2)
@@ -994,7 +994,7 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
     status is a numpy array, whose ``==`` has no truth value, failed the
     executor; it is undecodable now, as a message that is no reply holds plain
     data alone). Sabotage: no ``shape`` drop of a message that names this
-    leader's session in ``DataPath._recv_control`` -> ``unknown-kind``, and the
+    leader's session in ``DataPath._checked_message`` -> ``unknown-kind``, and the
     wait for the drop fails. A refusal whose reason is a 64 KiB tensor fails
     its call with a short error. Sabotage: ``str`` of the reason (as before) -> an
     error of 1 MB, made under the reply lock."""

@@ -243,6 +243,16 @@ class RemoteReceiver:
 
 
 
+_recv = zmq.backend.Socket.recv  # (compiled, unlike zmq.Socket.recv: no Python step inside)
+
+
+def _rest_of(sock: zmq.Socket, frames: list) -> None:
+    """Take the rest of a message whose first frames are ``frames``: ZeroMQ holds a
+    message whole before any of it can be taken, so this never waits."""
+    while frames[-1].more:
+        frames.append(_recv(sock, zmq.NOBLOCK, False))
+
+
 class SentCalls:
     """Copies of the calls queued for the nodes, kept until every node is known to
     have them: a reset connection loses what it held without a word, and a node
@@ -336,7 +346,7 @@ class DataPath:
         # bytes (codec.object_bytes) of the messages put in _control (by the reader) and
         # taken out (by the I/O thread): each counter has one writer, so no lock is needed
         self._control_in = self._control_out = 0
-        self._msg_bytes = 0  # what the message _recv_control returned last holds, if no reply
+        self._msg_bytes = 0  # what the message _checked_message returned last holds, if no reply
         self._pull_closed = False
         self._last_drop_log, self._drops_logged = 0.0, 0
         self._on_control: Callable[[list], None] = self._no_control
@@ -510,21 +520,48 @@ class DataPath:
             return
         end = time.monotonic() + READ_PASS_S
         for _ in range(256):
-            if not self.pull.poll(0, zmq.POLLIN) or time.monotonic() > end:
+            if not self._read_one() or time.monotonic() > end:
                 break
-            msg = self._recv_control()
-            if msg is None:
-                continue
-            kind = msg[0]
-            if type(kind) is int or (type(kind) is str and kind == "hb"):
-                self._dispatch_safely(msg)
-            elif len(self._control) >= MAX_CONTROL_BACKLOG \
-                    or self._control_in - self._control_out + self._msg_bytes > MAX_CONTROL_BYTES:
-                self.drop("a control message: too many are waiting", "backlog")
-            else:
-                self._control.append((msg, self._msg_bytes))
-                self._control_in += self._msg_bytes
-                self.wake.set()
+
+    def _read_one(self) -> bool:
+        """Take the next message off the PULL socket and file it; False if none is
+        there. Once its first frame is taken it is nowhere else: a KeyboardInterrupt
+        or SystemExit (a signal's handler, in a caller's thread) lets it be taken
+        whole and filed first (where it was not yet), then goes on."""
+        try:
+            frames = [_recv(self.pull, zmq.NOBLOCK, False)]
+        except zmq.Again:
+            return False
+        filed = [False]
+        try:
+            _rest_of(self.pull, frames)
+            self._file(frames, filed)
+        except BaseException as e:
+            if isinstance(e, Exception) or filed[0]:
+                raise
+            _rest_of(self.pull, frames)
+            self._file(frames, filed)
+            raise
+        return True
+
+    def _file(self, raw: list, filed: list) -> None:
+        """Check a message's frames and file what they hold: a reply or heartbeat at
+        once, another control message for the I/O thread; ``filed`` is set once done."""
+        msg = self._checked_message(raw)
+        if msg is None:
+            filed[0] = True
+            return
+        kind = msg[0]
+        if type(kind) is int or (type(kind) is str and kind == "hb"):
+            self._dispatch_safely(msg)
+        elif len(self._control) >= MAX_CONTROL_BACKLOG \
+                or self._control_in - self._control_out + self._msg_bytes > MAX_CONTROL_BYTES:
+            self.drop("a control message: too many are waiting", "backlog")
+        else:
+            self._control.append((msg, self._msg_bytes))
+            self._control_in += self._msg_bytes
+            self.wake.set()
+        filed[0] = True
 
 
     def read_unless_callers(self, wait_ms: int) -> None:
@@ -579,9 +616,9 @@ class DataPath:
             self.cond.notify_all()
         self.calls.has(rank // self.settings.nproc_per_node, msg[1])  # its node had the call
 
-    def _recv_control(self) -> Any:
+    def _checked_message(self, raw: list) -> Any:
+        """The message of frames ``raw``, checked (None: dropped, and counted)."""
         try:
-            raw = self.pull.recv_multipart(copy=False)
             frames = [f.buffer for f in raw]
             tagged = _reply_head(frames[0])
             if tagged is not None and tagged[0] != self._reply_tag:
@@ -617,9 +654,6 @@ class DataPath:
                     return None
         except CodecError as e:
             self.drop(f"a malformed message from the network: {e}", "undecodable")
-            return None
-        except zmq.ZMQError as e:
-            self.drop(f"a message that could not be read: {e}", "unreadable")
             return None
         if type(msg) is not list or not msg:
             self.drop(f"a message of the wrong shape: {brief(msg)}", "shape")
@@ -681,7 +715,7 @@ class DataPath:
         ``other-session`` (a member's message naming another leader's session),
         ``bad-status``, ``not-owner`` (a key speaking for another node),
         ``handler`` / ``io-loop`` (a message that broke its handler),
-        ``backlog`` (too many control messages waiting), ``unreadable``."""
+        ``backlog`` (too many control messages waiting)."""
         return self.metrics.drops()
 
     def close(self, linger_s: float) -> None:
