@@ -400,7 +400,7 @@ class DataPath:
         for the rest, and gives up after its own limit), or None if they are no
         longer all kept (the node cannot be made whole). Those the node is known to
         have since it asked (its ask waited behind its heartbeat, say) are not sent."""
-        if type(first) is int and first <= self.calls.had(node_rank):
+        if type(first) is int and 0 < first <= self.calls.had(node_rank):
             first = self.calls.had(node_rank) + 1
             if first > self.calls.last:
                 return 0
