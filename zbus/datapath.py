@@ -522,6 +522,8 @@ class DataPath:
         for _ in range(256):
             if not self._read_one() or time.monotonic() > end:
                 break
+            if not self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (no exception to build when empty)
+                break
 
     def _read_one(self) -> bool:
         """Take the next message off the PULL socket and file it; False if none is
