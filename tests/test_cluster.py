@@ -835,6 +835,43 @@ def test_a_ctrl_c_as_a_reply_is_taken_loses_no_reply(where, when, monkeypatch):
             end_process(proc)
 
 
+def test_a_ctrl_c_as_the_nodes_copy_of_a_call_is_recorded_gives_no_rank_another_calls_reply():
+    """A Ctrl-C (KeyboardInterrupt) lands once the nodes' copy of a call is queued
+    but before the leader recorded it (at the first step of the function that
+    does). The nodes have the call and the local ring does not: the executor fails
+    at once ("reached only some ranks"). Before, the call counted as sent to no
+    rank and its number was given to the next call, which the nodes dropped as one
+    they had: the next call's result held the remote rank's reply to the call
+    before, silently. (The interrupt is raised by a profile hook in this thread.)
+    Sabotage: ``on_queued`` after the ``try`` in ``queues.send_frames`` again ->
+    the next call returns ``[20, 11]``."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            armed = [True]
+
+            def ctrl_c_at_queued(frame, event, arg):
+                if event == "call" and armed and frame.f_code.co_name == "queued" \
+                        and frame.f_code.co_filename.endswith(os.path.join("zbus", "executor.py")):
+                    armed.clear()
+                    raise KeyboardInterrupt
+            sys.setprofile(ctrl_c_at_queued)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    ex.collective_rpc("rank_value", args=(1,), timeout=30)
+            finally:
+                sys.setprofile(None)
+            assert not armed
+            try:
+                got = ex.collective_rpc("rank_value", args=(2,), timeout=30)
+            except zbus.ExecutorFailedError as e:
+                got = e
+            assert isinstance(got, zbus.ExecutorFailedError) and "reached only some ranks" in str(got), got
+    finally:
+        end_process(proc)
+
+
 @pytest.mark.parametrize("when", ["filing", "between-frames"])
 def test_a_ctrl_c_as_a_remote_reply_is_read_off_the_socket_loses_no_reply(when, monkeypatch):
     """A Ctrl-C (KeyboardInterrupt) lands in the caller's thread once a remote

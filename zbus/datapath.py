@@ -276,6 +276,8 @@ class SentCalls:
         kept = [f if type(f) is bytes else bytes(f) for f in frames]
         size = sum(len(f) for f in kept)
         with self._lock:
+            if self._kept and self._kept[-1][0] == seq:  # (recorded twice: a Ctrl-C as it was)
+                return
             self._kept.append((seq, kept, size))
             self._bytes += size
             self.last = seq

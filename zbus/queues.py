@@ -94,10 +94,14 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
     send (pyzmq's own ``send``, a Python function, would add its entry), so the
     part in hand counts as sent, exactly. (The one window left: a handler run in
     the few steps after a first part that had to wait was taken.) ``on_queued``
-    runs once the whole message is queued, before such an exception goes on.
+    runs once the whole message is queued, before such an exception goes on (in
+    its own first step included: it may then run twice). The lock is let go
+    inline: a method's first step, where a signal's handler may run, would keep it.
     """
-    with _Turn(lock, deadline, what, cancel) as turn:
-        last, i, began = len(frames) - 1, 0, False
+    turn = _Turn(lock, deadline, what, cancel)
+    try:
+        turn.take()
+        last, i, began, whole = len(frames) - 1, 0, False, False
         try:
             for i, frame in enumerate(frames):
                 flags = zmq.SNDMORE if i < last else 0
@@ -108,12 +112,17 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
                     began = i > 0
                     _send_waiting(sock, frame, flags, deadline, what, cancel, turn if i == 0 else None)
                     began = True
+            whole = True
+            if on_queued is not None:
+                on_queued()
         except BaseException as e:
-            if began and not isinstance(e, zmq.ZMQError):
-                _finish(sock, frames, i + 1, on_queued)
+            if began and not isinstance(e, zmq.ZMQError) and not (whole and isinstance(e, Exception)):
+                _finish(sock, frames, i + 1, on_queued)  # (whole: it sends nothing more)
             raise
-    if on_queued is not None:
-        on_queued()
+    finally:
+        if turn.held:
+            turn.held = False
+            turn.lock.release()
 
 
 def _finish(sock: zmq.Socket, frames: Sequence[Any], start: int,
@@ -183,23 +192,14 @@ def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | No
 
 class _Turn:
     """A thread's hold on ``lock`` (or on nothing) for one send: taken by the
-    deadline, let go for a moment between waits, released at the end, and never
-    released when not held."""
+    deadline, let go for a moment between waits; its sender releases it at the
+    end, and never when not held."""
 
     def __init__(self, lock: Any, deadline: float | None, what: str, cancel: Any) -> None:
         self.lock, self.deadline, self.what, self.cancel = lock, deadline, what, cancel
         self.held = False
 
-    def __enter__(self) -> _Turn:
-        self._take()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.held:
-            self.held = False
-            self.lock.release()
-
-    def _take(self) -> None:
+    def take(self) -> None:
         if self.lock is not None:
             acquire(self.lock, self.deadline, self.what, self.cancel)
             self.held = True
@@ -210,7 +210,7 @@ class _Turn:
         self.held = False
         self.lock.release()
         time.sleep(LOCK_PAUSE_S)
-        self._take()
+        self.take()
 
 
 def acquire(lock: Any, deadline: float | None, what: str, cancel: Any = None) -> None:
