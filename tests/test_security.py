@@ -1264,6 +1264,35 @@ def test_a_follower_writing_lost_calls_to_slow_workers_waits_for_them(lost):
         leading.close()
 
 
+def test_an_idle_follower_asks_for_lost_calls_every_half_second():
+    """Call 2 is lost (a reset connection) and no call follows: the leader's
+    heartbeat (every 2 s at a 10 s liveness limit) says call 2 was sent. The idle
+    follower asks for it every 0.5 s, as it does while calls come. Before, its
+    wait for the leader woke only for the next heartbeat: one ask per 2 s, so a
+    lost ask or answer cost 2 s, and it gave up up to a heartbeat late. Sabotage:
+    ``wake`` without the gap's times in ``NodeAgent._serve`` -> 2 asks in 3 s."""
+    leading = PosingLeader()
+    try:
+        leading.welcome(liveness_s=10.0)
+        leading.await_calls_heard()
+        leading.call(1, "noop")
+        asked, next_hb, end = 0, 0.0, None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < (end or deadline):
+            if time.monotonic() >= next_hb:  # the leader's heartbeat: call 2 was sent
+                leading.xpub.send_multipart([b"H", *codec.encode(["hb", 2, leading.session])])
+                next_hb = time.monotonic() + 2.0
+            msg = leading.receive(50)
+            if msg is not None and msg[0] == "gap":  # ["gap", node rank, session, first, upto]
+                assert msg[3:] == [2, 3], msg
+                asked += 1
+                end = end or time.monotonic() + 3.0  # count the asks of 3 s from the first
+        assert asked >= 5, f"{asked} asks in 3 s"
+        leading.bye()
+    finally:
+        leading.close()
+
+
 def relay_waiting_on_a_long_call(leading: PosingLeader, seconds: float) -> None:
     """Call 1 sleeps ``seconds`` on the follower's worker, and calls 2 to 9 follow,
     more than its ring (64Kx4) holds: its agent waits for room, reading ahead."""

@@ -391,8 +391,11 @@ class NodeAgent:
         call_topics = (self._rpc_topic, node_topic(self.node_id) + TOPIC_RPC)
         while True:
             self._tick()
-            # wake for the next heartbeat or the moment the leader would be lost
-            wake = min(self._next_hb, self._last_leader + self.liveness_s)
+            # wake for the next heartbeat, the moment the leader would be lost, and
+            # (lost calls) the next ask for them and the moment to give up, if to come
+            now = time.monotonic()
+            gap = [t for t in (self._gap["ask"], self._gap["until"]) if t > now] if self._gap else []
+            wake = min(self._next_hb, self._last_leader + self.liveness_s, *gap)
             events = self._poll(poller, wake)
             if self._death_r in events:
                 os.read(self._death_r, 64)
