@@ -780,6 +780,26 @@ def test_an_inproc_shutdown_fails_the_calls_still_waiting_for_an_answer():
     assert "shut down" in str(pending.exception(timeout=0))
 
 
+def test_an_inproc_call_whose_answer_never_comes_times_out_by_itself_and_ends_nothing_later():
+    """``backend="inproc"``: a non-blocking call with a timeout whose method
+    returned a Future that never completes fails by itself with TimeoutError at
+    that timeout, as the other backend's calls do; the shutdown then ends the
+    thread that waited for that Future. Before, the future stayed undone until
+    the shutdown (no one expired it), and the thread waited on the Future for
+    the rest of the process. Sabotage: no timer in ``InprocExecutor.collective_rpc``
+    -> not done within 5 s; ``result.result()`` in ``ReplyPipe._drain`` again ->
+    the thread lives on."""
+    ex = zbus.Executor(EchoWorker, backend="inproc")
+    try:
+        future = ex.collective_rpc("never", non_block=True, timeout=0.3)
+        done, _ = concurrent.futures.wait([future], 5)
+        assert done and isinstance(future.exception(timeout=0), TimeoutError)
+    finally:
+        ex.shutdown()
+    ex._replies.thread.join(5)
+    assert not ex._replies.thread.is_alive()
+
+
 def test_inproc_calls_from_many_threads_each_get_their_own_answer():
     """``backend="inproc"`` called from 8 threads at once (its methods run on the
     caller's thread): each call gets a number of its own and its own answer.

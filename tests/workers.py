@@ -128,6 +128,10 @@ class EchoWorker(zbus.Worker):
             raise SystemExit(code)
         zbus.worker.on_exit(interrupted)
 
+    def never(self):
+        """A Future no one completes (an answer that never comes)."""
+        return concurrent.futures.Future()
+
     def zeros(self, n):
         return bytes(n)
 

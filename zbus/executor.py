@@ -491,11 +491,20 @@ class InprocExecutor(Executor):
             self._seq += 1
             seq = self._seq
             # a method may return a Future, answered later: a blocking call waits on this one
-            call = self._calls[seq] = Call(self, seq, [0], unique_reply_rank is not None, RpcFuture())
+            deadline = deadline_of(timeout) if non_block else None
+            call = self._calls[seq] = Call(self, seq, [0], unique_reply_rank is not None, RpcFuture(),
+                                           deadline)
         result, status = run_call(self._worker, method, args, kwargs, self.allow_import_calls)
         self._replies.send(seq, result, status)
         self._run_completions()
-        return call.future if non_block else call.future.result(timeout)
+        if not non_block:
+            return call.future.result(timeout)
+        if deadline is not None and not call.done():  # its future fails by itself at its timeout
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), call.expire)
+            timer.daemon = True
+            timer.start()
+            call.future.add_done_callback(lambda _: timer.cancel())
+        return call.future
 
     def _complete_until(self, call: Call, deadline: float | None) -> None:
         if not call.done() and threading.current_thread() is self._replies.thread:

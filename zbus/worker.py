@@ -118,6 +118,7 @@ class ReplyPipe:
         self._cond = threading.Condition(self._lock)
         self.thread: threading.Thread | None = None
         self._closed = False
+        self._woken = threading.Event()  # the head Future is done, or this pipe closed
 
     def send(self, seq: int, result: Any, status: int) -> None:
         with self._lock:
@@ -139,11 +140,12 @@ class ReplyPipe:
 
     def close(self) -> None:
         """End the thread: what is queued is dropped (its callers were told of the
-        shutdown); a Future it waits on ends it once done."""
+        shutdown), and a Future it waits on is waited for no more."""
         with self._lock:
             self._closed = True
             self._queue.clear()
             self._cond.notify()
+            self._woken.set()
 
     def _drain(self) -> None:
         while True:
@@ -153,7 +155,12 @@ class ReplyPipe:
                 if self._closed:
                     return
                 seq, result, status = self._queue[0]
+                self._woken.clear()
             if isinstance(result, concurrent.futures.Future):
+                result.add_done_callback(lambda _: self._woken.set())
+                self._woken.wait()  # (not result(): a Future never done would hold this thread)
+                if self._closed:
+                    return
                 try:
                     result, status = result.result(), protocol.OK
                 except BaseException as e:  # noqa: BLE001 - reported to the caller
