@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 
 import psutil
 import pytest
@@ -1452,7 +1453,10 @@ def test_a_join_whose_host_or_address_is_long_or_unprintable_is_dropped():
     the cluster formed (each of its joins logged: a forged line, an escape run in
     the operator's terminal).
     Such a join is dropped as ``bad-join``; a real one is kept. Sabotage: the types
-    alone in ``membership._join_types`` -> none dropped."""
+    alone in ``membership._join_types`` -> none dropped. A message limit under the
+    least a node can have, or not a number, is dropped the same way (those would
+    refuse every call, or fail each: sabotage: no ``max_message`` check in
+    ``_join_field_ok`` -> the first is kept)."""
     lead, port = bare_leader(nnodes=2)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
@@ -1462,7 +1466,7 @@ def test_a_join_whose_host_or_address_is_long_or_unprintable_is_dropped():
         good = {"version": protocol.PROTOCOL_VERSION, "nproc": 1, "host": "node-1", "address": "10.0.0.2",
                 "node_rank": 1, "pid": 7}
         bad = [{"host": "x" * 1000}, {"host": "n\nnode 9 joined: forged"}, {"host": "\x1b]0;owned\x07"},
-               {"address": "1" * 300}]
+               {"address": "1" * 300}, {"max_message": 2**16 - 1}, {"max_message": "4G"}]
         for i, fields in enumerate([*bad, {}]):
             push.send_multipart(codec.encode(["join", f"{i:016x}", dict(good, **fields)]))
         wait_until(lambda: lead.dropped_by.get("bad-join") == len(bad), 10, "the bad joins dropped")
@@ -2111,3 +2115,33 @@ def test_sent_calls_keep_what_a_node_may_lack_and_only_whole_runs_are_sent_again
     for seq in range(5, 12):  # 51 bytes each: past 300 the oldest go
         calls.add(seq, [b"e", b"z" * 50], [1, 2, 3])
     assert calls.since(6) is None and len(calls.since(7)) == 5  # 5 x 51 bytes: within 300
+
+
+def test_a_call_over_a_nodes_message_limit_is_refused_before_it_is_sent(monkeypatch):
+    """A follower's ``ZBUS_MAX_MESSAGE`` is 1 MiB: a call whose arguments take
+    2 MiB, or a byte over 1 MiB, is refused at once with a ``CodecError`` naming
+    node 1 and the setting, and sent to no rank; one of exactly 1 MiB reaches both
+    ranks, and the executor serves on. Before, the leader sent them: at 2 MiB
+    ZeroMQ dropped the node's connection at each try, the node heard no heartbeat
+    and left, and the executor failed ("no heartbeat for 2.0 s"); a byte over, each
+    rank there answered that it could not decode it. Sabotage: no size check in
+    ``collective_rpc``, or the node's ``max_message`` left out of its join -> no
+    CodecError."""
+    monkeypatch.setenv("ZBUS_MAX_REPLY", "1M")  # (a node refuses a leader that takes larger replies)
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1", env={"ZBUS_MAX_MESSAGE": "1M"})
+    try:
+        with leader(port, nnodes=2) as ex:
+            def size(n: int) -> int:  # as collective_rpc encodes crc's arguments
+                return sum(memoryview(f).nbytes for f in codec.encode(((0, b"y" * n), {})))
+
+            n = 2**20 - (size(2**19) - 2**19)
+            assert size(n) == 2**20
+            for over in (2**20, 1):
+                with pytest.raises(zbus.CodecError, match=rf"take {2**20 + over} bytes, over the 1048576 "
+                                                          r"that node 1 \(.+\) takes \(ZBUS_MAX_MESSAGE\)"):
+                    ex.collective_rpc("crc", args=(0, b"y" * (n + over)), timeout=20)
+            assert ex.collective_rpc("crc", args=(0, b"y" * n), timeout=20) == [(0, zlib.crc32(b"y" * n))] * 2
+            assert ex.collective_rpc("whoami", timeout=10)[1]["rank"] == 1
+    finally:
+        end_process(proc, 30)

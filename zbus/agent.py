@@ -285,7 +285,7 @@ class NodeAgent:
         info = {"version": protocol.PROTOCOL_VERSION, "nproc": self.settings.nproc_per_node,
                 "host": socket.gethostname(), "address": self.advertise_addr or address,
                 "node_rank": -1 if self.node_rank is None else self.node_rank, "pid": os.getpid(),
-                "core": ring.CORE}
+                "core": ring.CORE, "max_message": codec.MAX_MESSAGE}
         deadline = time.monotonic() + self.join_timeout
         log.info("joining leader %s:%d as %s (%s via %s)", self.settings.master_addr,
                  self.settings.master_port, info["host"], info["address"], ifname)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
-from .config import size_setting
+from .config import DEFAULT_MAX_MESSAGE, size_setting
 from .errors import CodecError
 from .shm import core as _core
 
@@ -39,7 +39,7 @@ _TUPLE, _TENSOR, _NDARRAY, _BYTES, _DATACLASS, _EXCEPTION, _OBJECT = 1, 2, 3, 4,
 _PLAIN_EXTS = (_TUPLE, _BYTES, _EXCEPTION)  # what decode(plain=True) takes
 _BYTES_KINDS = {0: bytes, 1: bytearray, 2: memoryview}
 OOB_THRESHOLD = 16 * 1024  # byte strings at least this long travel as their own frame
-MAX_MESSAGE = size_setting("ZBUS_MAX_MESSAGE", 4 * 2**30)
+MAX_MESSAGE = size_setting("ZBUS_MAX_MESSAGE", DEFAULT_MAX_MESSAGE)
 _MAX_FRAMES = 1 << 20
 # Nesting of maps, arrays and extension types in one message (a tuple is two levels:
 # the extension and its list). Each extension level is also a nested msgpack unpack

@@ -58,6 +58,7 @@ def parse_size(text: str) -> int:
     return int(text[: len(text) - len(unit)]) * _SUFFIX[unit]
 
 
+DEFAULT_MAX_MESSAGE = 4 * 2**30  # ZBUS_MAX_MESSAGE unset
 MIN_SIZE_LIMIT = 64 * 2**10  # the smallest message limit: joins and welcomes fit well within
 
 

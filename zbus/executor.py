@@ -862,6 +862,7 @@ class MultiprocExecutor(Executor):
         self._bcast: Broadcaster | None = None
         self._leader: Leader | None = None
         self._resp_handles: list[ring.RingHandle] = []
+        self._max_args = (codec.MAX_MESSAGE, "the leader's node")  # the least a node's workers decode
         self._receivers: list[Any] = []
         self._workers: LocalWorkers | None = None
         self.failure.on_failure(_weakly(self._on_failure))  # first: before the leader's and the user's
@@ -917,6 +918,8 @@ class MultiprocExecutor(Executor):
                     died = isinstance(self.failure.error, WorkerDiedError)
                     raise StartupError(self._startup_failure() if died else str(e)) from None
                 self._receivers += [self._leader.receivers[r] for r in range(n, self.world_size)]
+                self._max_args = min([self._max_args, *((node.max_message, f"node {r} ({node.host})")
+                                                        for r, node in self._leader.nodes.items())])
                 deadline = deadline_of(self.startup_timeout)
             for rank in range(self.world_size):
                 self._await_ready(rank, deadline)
@@ -1017,6 +1020,10 @@ class MultiprocExecutor(Executor):
                 raise ZbusError("executor is shut down")
             self.failure.raise_if_failed()  # or failed: the nodes must not run one call more
             payload = codec.encode((tuple(args), kwargs or {})) if args or kwargs else [protocol.NO_ARGS]
+            size = sum(memoryview(f).nbytes for f in payload)
+            if size > self._max_args[0]:  # no rank could take it (a node's socket would drop)
+                raise CodecError(f"the arguments of {brief(method)} take {size} bytes, over the "
+                                 f"{self._max_args[0]} that {self._max_args[1]} takes (ZBUS_MAX_MESSAGE)")
             seq = self._seq + 1  # (taken in the try below: a Ctrl-C before it changes nothing)
             frames = [protocol.call_envelope(seq, method, unique_reply_rank if unique else -1,
                                              len(payload), self._answered), *payload]
@@ -1030,7 +1037,7 @@ class MultiprocExecutor(Executor):
                 self._pending.append(call)
                 self._publish(frames, deadline, nodes_got)
                 call.sent = True
-                self.metrics.sent(sum(memoryview(f).nbytes for f in frames))
+                self.metrics.sent(len(frames[0]) + size)
             except BaseException as e:  # its deadline, a shutdown, Ctrl-C in a wait to send
                 got = ([ring.started > started] if ring is not None else []) + (
                     nodes_got if self._leader is not None else [])

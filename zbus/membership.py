@@ -36,6 +36,7 @@ from .cluster import (
     probe_topics,
     touch_health,
 )
+from .config import DEFAULT_MAX_MESSAGE, MIN_SIZE_LIMIT
 from .datapath import DataPath
 from .errors import ExecutorFailedError, NodeLostError, WorkerDiedError, ZbusError
 from .failure import Failure
@@ -49,7 +50,8 @@ MEMBER_KINDS = ("hb", "died", "leaving", "gap")
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
 MAX_NODE_TOPICS = 4096  # node topics subscribed while the cluster forms
 # The types of the join fields a node sends (``NodeAgent._join``); node_rank may be None.
-JOIN_TYPES = {"version": int, "nproc": int, "host": str, "address": str, "node_rank": int, "pid": int}
+JOIN_TYPES = {"version": int, "nproc": int, "host": str, "address": str, "node_rank": int, "pid": int,
+              "max_message": int}
 
 
 JOIN_TEXT_MAX = 255  # a host name's most (DNS: 253), and an address's
@@ -63,9 +65,11 @@ def _join_types(info: dict) -> bool:
 
 def _join_field_ok(key: str, value: Any, kind: type) -> bool:
     """Its type; a text short and printable (the host and address go into log
-    lines, errors and ``zbus status``)."""
+    lines, errors and ``zbus status``); a message limit one a node can have."""
     if key == "node_rank" and value is None:  # any free rank
         return True
+    if key == "max_message":  # (no node's is less: ``size_setting``)
+        return type(value) is int and value >= MIN_SIZE_LIMIT
     return type(value) is kind and (kind is not str or len(value) <= JOIN_TEXT_MAX and value.isprintable())
 
 
@@ -79,6 +83,7 @@ class NodeInfo:
     pid: int
     last_seen: float
     core: str = "unknown"  # its ring's core, as the node said (zbus.ring.CORE)
+    max_message: int = DEFAULT_MAX_MESSAGE  # its ZBUS_MAX_MESSAGE, as it said (else the default)
 
 
 
@@ -259,7 +264,8 @@ class Membership:
             self.failure.fail(ExecutorFailedError(f"node {info.get('host', '?')} refused: {e}"))
             return
         node = NodeInfo(node_rank, node_id, info["host"], info["address"], info["nproc"], info["pid"],
-                        time.monotonic(), str(info.get("core", "unknown"))[:16])
+                        time.monotonic(), str(info.get("core", "unknown"))[:16],
+                        info.get("max_message", DEFAULT_MAX_MESSAGE))
         self.path.open_receivers(node_rank)
         sent = self.path.send_control(node_topic(node_id), ["welcome", {
             "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
