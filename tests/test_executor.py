@@ -1553,6 +1553,33 @@ def test_workers_end_with_a_sigkilled_driver_that_forked_as_they_started():
         end_process(proc)
 
 
+def test_a_worker_whose_call_ring_is_gone_as_it_starts_ends_with_one_line():
+    """The driver gave up (a node refused it) while a worker's interpreter started,
+    and removed the node's rings: the worker ends with exit code 1 and a line
+    saying so. Before, it printed ``FileNotFoundError``'s traceback under the
+    driver's own error. Sabotage: no ``except FileNotFoundError`` round the
+    attach in ``worker.main`` -> a traceback."""
+    import json
+
+    from zbus import ring, shm
+
+    handle = ring.create(1)
+    shm.unlink(handle.name)
+    death_r, death_w = os.pipe()
+    place = {"rank": 0, "local_rank": 0, "node_rank": 0, "local_world_size": 1, "world_size": 1,
+             "bcast": handle.to_dict(), "resp": {}, "death_fd": death_r, "segments": []}
+    proc = spawn_python("from zbus.worker import main; main()", env={"ZBUS_WORKER": json.dumps(place)},
+                        pass_fds=(death_r,), stderr=subprocess.PIPE, text=True)
+    os.close(death_r)
+    try:
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1, err
+        assert "call ring is gone" in err and "Traceback" not in err, err
+    finally:
+        os.close(death_w)
+        end_process(proc)
+
+
 def test_workers_orphaned_inside_a_call_run_their_atexit_hooks(tmp_path):
     """A library's clean-up registered with ``atexit`` (vLLM's CPU all-reduce removes
     its shared memory so) still runs when the driver is SIGKILLed while the workers

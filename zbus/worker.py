@@ -394,7 +394,11 @@ def main() -> None:
     death.start()
     # the node's workers and its driver or agent wait on rings
     policy = WaitPolicy.from_env(waiters=place["local_world_size"] + 1)
-    bcast = RingReader.attach(place["bcast"], place["local_rank"], policy, lend=True)
+    try:
+        bcast = RingReader.attach(place["bcast"], place["local_rank"], policy, lend=True)
+    except FileNotFoundError:  # its driver or agent gave up while this process started
+        log.error("the node's call ring is gone: its driver or agent has ended; not serving")
+        raise SystemExit(1) from None
     resp = place["resp"]  # local ranks: a ring handle; remote ranks: the leader's PULL address
     if "push" in resp:
         from .curve import NodeCurve
