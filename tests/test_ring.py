@@ -1809,6 +1809,57 @@ def test_a_send_cut_short_by_ctrl_c_is_finished_whole_by_the_next_flush():
         writer.close()
 
 
+def test_a_ring_geometry_that_a_core_cannot_use_is_refused_when_made():
+    """A geometry made in code is held to ``ZBUS_RING``'s rule: chunks of a multiple
+    of 64 bytes, at least 256, and at least 2 of them. Before, only the variable was
+    checked: ``RingGeometry(100, 4)`` made a ring whose chunks the compiled core
+    refused as misaligned where the pure-Python one wrote them, and 0 chunks
+    divided by zero. Sabotage: no ``RingGeometry.__post_init__`` -> none raises."""
+    from zbus.errors import SettingError
+
+    for chunk, count in [(100, 4), (200, 4), (128, 4), (256, 1), (256, 0)]:
+        with pytest.raises(SettingError, match="multiple of 64 bytes >= 256 and count >= 2"):
+            RingGeometry(chunk, count)
+    assert RingGeometry(320, 2).n_chunks == 2
+
+
+def test_a_ctrl_c_as_a_message_is_announced_leaves_no_reader_asleep(monkeypatch):
+    """A Ctrl-C lands in ``send`` once the message is published, before the reader
+    asleep waiting for it is rung: the writer says it has something pending, and
+    its next ``flush`` (the executor's completer flushes a pending ring) rings the
+    reader, which gets the message at once though its sleep would last 30 s. Before,
+    the published count said nothing was pending, no flush rang, and the reader
+    slept until its timeout's end (its slice, 0.5 s by default, up to an hour).
+    Sabotage: ``pending`` and ``flush`` compare the published count again (drop
+    ``_announced``) -> ``pending`` is False and the receive takes 30 s."""
+    writer = RingWriter.create(1, RingGeometry(2**16, 4), WaitPolicy(0, 0, 600))
+    reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 0, 600))
+    got: list = []
+    receiving = threading.Thread(target=lambda: got.append((reader.recv(timeout=30), time.monotonic())))
+    receiving.start()
+    try:
+        wait_until(lambda: writer._i[writer._reader_flags[0]] == 1, 10, "the reader asleep")
+        bell, ring_bell = writer._reader_bells[0], writer._reader_bells[0].ring
+
+        def ctrl_c_at_the_bell():  # a signal handled as ring() is entered
+            monkeypatch.setattr(bell, "ring", ring_bell)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(bell, "ring", ctrl_c_at_the_bell)
+        with pytest.raises(KeyboardInterrupt):
+            writer.send([b"call"], timeout=5)
+        assert writer.pending
+        flushed = time.monotonic()
+        writer.flush(time.monotonic() + 5)
+        receiving.join(30)
+        assert [bytes(f) for f in got[0][0]] == [b"call"]
+        assert got[0][1] - flushed < 5, "the reader slept on"
+        assert not writer.pending
+    finally:
+        receiving.join(35)
+        reader.close()
+        writer.close()
+
+
 def test_a_ctrl_c_as_a_streamed_message_is_all_written_comes_out_as_itself():
     """A Ctrl-C that lands as ``send``'s flush of a streamed message returns, the
     message all written, comes out as KeyboardInterrupt and leaves nothing

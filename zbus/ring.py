@@ -263,7 +263,7 @@ class RingWriter(_Ring):
 
     def __init__(self, seg: shm.Segment, policy: WaitPolicy | None):
         super().__init__(seg, policy)
-        self._seq = self._q[_W_WSEQ]
+        self._seq = self._announced = self._q[_W_WSEQ]  # (announced: its waiting readers rung)
         # A message begun, not all written: its pieces, where the next chunk starts
         # (piece index, offset in it) and the bytes left.
         self._pending: tuple[list[memoryview], int, int, int] | None = None
@@ -344,13 +344,13 @@ class RingWriter(_Ring):
     def pending(self) -> bool:
         """Whether a message an earlier ``send`` began waits for :meth:`flush` (its
         rest, or its announce, which an exception such as Ctrl-C cut short)."""
-        return self._pending is not None or (self._seg._mmap is not None and self._q[_W_WSEQ] != self._seq)
+        return self._pending is not None or (self._seg._mmap is not None and self._announced != self._seq)
 
     def flush(self, deadline: float | None = None, cancel: Any = None,
               on_full: Callable[[], None] | None = None) -> None:
         """Finish streaming a message that an earlier ``send`` left pending."""
         if self._pending is None or not self._pending[3]:
-            if self._q[_W_WSEQ] != self._seq:  # written, its announce cut short (Ctrl-C)
+            if self._announced != self._seq:  # written, its announce cut short (Ctrl-C)
                 self._announce(whole=True)
             self._pending = None
             return
@@ -404,6 +404,7 @@ class RingWriter(_Ring):
             waiting = i[f]  # 2: a reader waiting for a whole message, not for each chunk
             if waiting == 1 or (waiting and whole):
                 self._reader_bells[r].ring()
+        self._announced = self._seq  # (a Ctrl-C before here: the next flush rings again)
 
     def end(self) -> None:
         """Tell readers no more messages come: they read what is there, then get
@@ -482,6 +483,7 @@ class RingReader(_Ring):
     def _next_chunk(self, deadline: float | None, cancel: Any) -> int:
         if not self._has_data():
             self._wait(self._ready_or_closed, self._flag, deadline, cancel, "recv", poll=self._poll)
+            _fence()  # (acquire: a close seen, the messages published before it are seen too)
             if not self._has_data():
                 raise RingClosed(f"ring {self.name} closed")
         _fence()  # acquire: the chunk's bytes are read after write_seq
@@ -517,6 +519,7 @@ class RingReader(_Ring):
                 poll = None
             self._wait(lambda: self._q[_W_WSEQ] > last or self._ended(), self._flag, deadline, cancel,
                        "recv", poll=poll, raised=2)
+            _fence()  # (as in _next_chunk)
             if self._q[_W_WSEQ] <= last:
                 raise RingClosed(f"ring {self.name} closed")
         _fence()  # acquire: the chunks' bytes are read after write_seq (published before or not)
