@@ -80,19 +80,27 @@ class RingGeometry:
     chunk_bytes: int
     n_chunks: int
 
+    def __post_init__(self) -> None:
+        # (both cores' chunk offsets stay 64-byte aligned; one chunk could hold no message
+        # while another is read)
+        if self.chunk_bytes < 256 or self.chunk_bytes % 64 or self.n_chunks < 2:
+            raise SettingError(f"a ring of {self.n_chunks} chunks of {self.chunk_bytes} bytes: a chunk "
+                               "must be a multiple of 64 bytes >= 256 and count >= 2")
+
     @classmethod
     def from_env(cls, calls: bool = False) -> RingGeometry:
         """``ZBUS_RING``, else the default of a ring of calls (``calls``) or of replies."""
         text = os.environ.get("ZBUS_RING") or ("1Mx32" if calls else "1Mx8")  # (empty: unset)
         try:
             chunk, count = text.lower().split("x")
-            geo = cls(parse_size(chunk), int(count))
+            chunk_bytes, n_chunks = parse_size(chunk), int(count)
         except (ValueError, KeyError):
             raise SettingError(f"ZBUS_RING={text!r}: expected '<chunk>x<count>', e.g. '1Mx8'") from None
-        if geo.chunk_bytes < 256 or geo.chunk_bytes % 64 or geo.n_chunks < 2:
+        try:
+            return cls(chunk_bytes, n_chunks)
+        except SettingError:
             raise SettingError(f"ZBUS_RING={text!r}: chunk must be a multiple of 64 bytes >= 256 "
-                               "and count >= 2")
-        return geo
+                               "and count >= 2") from None
 
 
 # The longest an executor may ask its workers and nodes to poll after each call
