@@ -1580,6 +1580,27 @@ def test_a_worker_whose_call_ring_is_gone_as_it_starts_ends_with_one_line():
         end_process(proc)
 
 
+def test_an_error_on_a_rank_that_does_not_answer_is_logged_by_it(tmp_path, capfd):
+    """Only rank 0 answers the call (``unique_reply_rank``, as vLLM's steps), and
+    rank 1 raises: rank 1 logs the error with its traceback (as vLLM's own workers
+    do), so the cause of a step that then hangs in rank 0's collective shows. Before,
+    the exception was dropped unseen. Sabotage: no ``elif status != protocol.OK``
+    in ``worker.handle`` -> nothing logged."""
+    with zbus.Executor(workers.EchoWorker, nproc_per_node=2) as ex:
+        assert ex.collective_rpc("boom_on", args=(1, str(tmp_path / "m"), 0), unique_reply_rank=0,
+                                 timeout=30) == 0
+        err = ""
+
+        def logged() -> bool:
+            nonlocal err
+            err += capfd.readouterr().err
+            return "ValueError: rank 1 failed" in err
+
+        wait_until(logged, 10, "rank 1's error logged")
+    assert "[node 0 rank 1]" in err and "call 1 ('boom_on') failed here, and rank 0 answers it" in err, err
+    assert "Traceback" in err and "[node 0 rank 0]" not in err, err
+
+
 def test_workers_orphaned_inside_a_call_run_their_atexit_hooks(tmp_path):
     """A library's clean-up registered with ``atexit`` (vLLM's CPU all-reduce removes
     its shared memory so) still runs when the driver is SIGKILLed while the workers

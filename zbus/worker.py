@@ -261,6 +261,9 @@ def handle(worker: Worker, frames: list, replies: ReplyPipe, allow_import: bool)
     del frames  # a view of a lent call's chunks: not to be kept by what follows
     if replying:
         replies.send(seq, result, status)
+    elif status != protocol.OK:  # no one hears of it else: only one rank answers (a vLLM step)
+        log.error("call %d (%s) failed here, and rank %d answers it: %s", seq, brief(method), reply_rank,
+                  result, exc_info=result if status == protocol.RAISED else None)
     # An exception's traceback holds this frame: without this, its locals (and the
     # arguments' views) would live until the cyclic GC runs, and the reader would
     # copy a lent call that nobody keeps.
