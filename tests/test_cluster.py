@@ -1124,7 +1124,7 @@ def test_a_value_from_the_network_is_named_without_a_repr_of_its_bytes():
     ``reprlib.Repr()`` -> 512 MiB at the peak (both reprs)."""
     import tracemalloc
 
-    from zbus.cluster import brief
+    from zbus.errors import brief
 
     big = bytes(64 * 2**20)
     mutable = bytearray(big)
@@ -1151,7 +1151,7 @@ def test_a_tensor_array_or_error_from_the_network_is_named_without_its_repr():
     import numpy as np
     import torch
 
-    from zbus.cluster import brief
+    from zbus.errors import brief
 
     tensor = torch.zeros([2] * 16, dtype=torch.uint8)
     info = codec.ExceptionInfo("x.Error", "\x00" * 2**22, "")
@@ -1174,7 +1174,7 @@ def test_the_leader_io_loop_survives_any_error_and_keeps_heartbeats():
     bug or a message that breaks a handler would raise), are logged and counted;
     heartbeats go on. Fails if the I/O loop catches only ZMQError, or if a dropped
     message is formatted with str() of the whole value."""
-    from zbus.cluster import brief
+    from zbus.errors import brief
 
     assert len(brief([[[[list(range(1000))]]]] * 1000)) < 200
     deep = []

@@ -976,6 +976,28 @@ def test_malformed_messages_raise_codec_error(frames, reason):
         assert str(e.value) == reason
 
 
+def test_an_error_names_what_the_sender_put_in_a_numbers_or_a_names_place_briefly():
+    """A buffer index that is a 4 MB string or an array of 2^16 elements, an unknown
+    dataclass field keyed by a tensor of 2^16 elements or by 4 MB of bytes: each is
+    refused with an error of a few hundred characters. Before, the error held the
+    value's whole repr: 16 MB for the string (and its caller's error a copy), about
+    1 MB for the array or the tensor (17x its bytes, seconds to make at 1 MiB).
+    Sabotage: ``{index!r}`` in ``_Decoder.frame`` -> the first two fail;
+    ``reprlib.repr`` for the unknown fields (as before) -> the tensor's fails."""
+    big_index = [header(ext(TENSOR, ["uint8", [2], [1], "\x00" * 2**22]))]
+    array_index = [header(ext(NDARRAY, ["|u1", [1], ext(NDARRAY, ["|u1", [2] * 16, 0])])), bytearray(2**16)]
+    fields = {"x": 1, "y": 2.0}
+    tensor = ext(TENSOR, ["uint8", [2] * 16, [2**i for i in range(15, -1, -1)], 0])
+    tensor_key = [header(ext(DATACLASS, [Point.__zbus_name__, {**fields, tensor: 0}])), bytearray(2**16)]
+    bytes_key = [header(ext(DATACLASS, [Point.__zbus_name__, {**fields, b"k" * 2**22: 0}]))]
+    for frames, said in [(big_index, "buffer index '\\x00"), (array_index, "buffer index <ndarray of shape"),
+                         (tensor_key, "unknown fields <Tensor of shape"),
+                         (bytes_key, "unknown fields b'kkk")]:
+        with pytest.raises(zbus.CodecError) as e:
+            decode(frames)
+        assert said in str(e.value) and len(str(e.value)) < 500, str(e.value)[:300]
+
+
 def test_a_header_that_changes_after_its_check_is_decoded_as_checked(monkeypatch):
     """A call lent from the ring is a private mapping whose pages still follow the
     shared segment until written: another process on the node may change the header

@@ -354,6 +354,33 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
     assert len(family._builders) == known
 
 
+def test_a_vllm_enum_or_dtype_sent_a_tensor_or_a_long_text_is_refused_briefly(wire, monkeypatch):
+    """An enum of vLLM's, or a torch dtype, whose value on the wire is a tensor of
+    2^16 elements or 4 MB of text: refused with an error of a few hundred
+    characters, and no repr of the tensor made. Before, the enum's own ValueError
+    made the value's whole repr (about 1 MB for the tensor: no dimension is long
+    enough for torch to elide), as did the dtype's error (``str`` of it, then cut).
+    Sabotage: ``cls(state)`` for enums in ``wire._builder``, or ``str(state)[:40]``
+    in ``_torch_dtype`` (as before) -> a repr made."""
+    import msgpack
+    import torch
+    from vllm.sampling_params import RequestOutputKind
+
+    from zbus import codec
+    from zbus.errors import CodecError
+
+    reprs = []
+    monkeypatch.setattr(torch.Tensor, "__repr__", lambda t, *a, **k: reprs.append(1) or "<a tensor>")
+    tensor = msgpack.ExtType(2, msgpack.packb(["uint8", [2] * 16, [2**i for i in range(15, -1, -1)], 0]))
+    name = f"vllm:{RequestOutputKind.__module__}:{RequestOutputKind.__qualname__}"
+    assert codec.decode(codec.encode(RequestOutputKind.DELTA)) is RequestOutputKind.DELTA
+    for state, frames in [(tensor, [bytearray(2**16)]), ("k" * 2**22, [])]:
+        for kind in (name, "vllm:dtype"):
+            with pytest.raises(CodecError) as e:
+                codec.decode([msgpack.packb(msgpack.ExtType(7, msgpack.packb([kind, state]))), *frames])
+            assert len(str(e.value)) < 500 and not reprs, (kind, str(e.value)[:300])
+
+
 def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
     """Sabotage: no check of what a remote configuration names (worker class,
     extension, remote code; a KV offloading spec module, an EC connector module, a

@@ -27,10 +27,8 @@ until welcomed, and then to ``R<session>``; the leader's side is
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import reprlib
 import secrets
 import socket
 import time
@@ -61,49 +59,6 @@ def max_reply() -> int:
     the nodes, whose workers answer a call with that error rather than send a
     bigger reply. Bigger values belong in shared storage, not on the leader's socket."""
     return min(size_setting("ZBUS_MAX_REPLY", MAX_REPLY_DEFAULT), codec.MAX_MESSAGE)
-
-
-class _Brief(reprlib.Repr):
-    """reprlib's short repr, with no value's whole repr made: reprlib makes the whole
-    repr of a type it does not know, then cuts it, and for bytes, a tensor or an
-    array from the network that is many times their size (16x for a tensor), and
-    slow. Bytes are cut first, the fields of a dataclass (an error's info) are
-    named briefly, and another object is named by its type (and shape)."""
-
-    def repr_bytes(self, x: bytes | bytearray, level: int) -> str:
-        if len(x) <= self.maxstring:
-            return repr(x)
-        return f"{repr(x[:self.maxstring])}... ({len(x)} bytes)"
-
-    repr_bytearray = repr_bytes
-
-    def repr_instance(self, x: Any, level: int) -> str:
-        if type(x) in (bool, float, complex, type(None)):
-            return repr(x)
-        name = type(x).__name__
-        if level <= 0:
-            return f"<{name}>"
-        if dataclasses.is_dataclass(x):
-            fields = dataclasses.fields(x)
-            named = ", ".join(f"{f.name}={self.repr1(getattr(x, f.name), level - 1)}"
-                              for f in fields[:self.maxtuple])
-            return f"{name}({named})"
-        shape = getattr(x, "shape", None)
-        return f"<{name} of shape {self.repr1(list(shape), level - 1)}>" if shape is not None else f"<{name}>"
-
-
-_REPR = _Brief()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
-
-
-def brief(obj: Any) -> str:
-    """A short repr of a value from the network for a log line: bounded in depth and
-    length (``str`` of a deeply nested value recurses without bound)."""
-    try:
-        return _REPR.repr(obj)
-    except Exception as e:  # noqa: BLE001 - a dataclass whose repr raises, say
-        return f"<{type(obj).__name__}: repr failed: {type(e).__name__}>"
 
 
 def any_rank(rank: Any) -> bool:

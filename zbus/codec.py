@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import re
-import reprlib
 import sys
 import threading
 import traceback
@@ -31,7 +30,7 @@ from typing import Any, Callable, Sequence
 import msgpack
 
 from .config import DEFAULT_MAX_MESSAGE, size_setting
-from .errors import CodecError
+from .errors import CodecError, brief
 from .shm import core as _core
 
 # Extension type codes: part of the wire format.
@@ -346,7 +345,7 @@ class _Decoder:
 
     def frame(self, index: Any) -> memoryview:
         if type(index) is not int or not 0 <= index < len(self.frames) - 1:
-            raise CodecError(f"buffer index {index!r} out of range")
+            raise CodecError(f"buffer index {brief(index)} out of range")  # (an array's repr: 17x it)
         if index in self.used:  # encode never reuses one; each use could copy the frame again
             raise CodecError(f"buffer index {index} used twice")
         self.used.add(index)
@@ -544,7 +543,7 @@ def _build_dataclass(cls: type, name: str, values: dict) -> Any:
         object.__setattr__(obj, f.name, value)  # (frozen ones too)
     unknown = values.keys() - {f.name for f in fields}
     if unknown:
-        named = ", ".join(sorted(map(reprlib.repr, unknown))[:5])  # (bounded: a key may be long)
+        named = ", ".join(sorted(map(brief, unknown))[:5])  # (no key's whole repr: a tensor's is 16x it)
         raise CodecError(f"cannot build {name}: unknown fields {named}")
     return obj
 

@@ -28,9 +28,9 @@ import msgpack
 import zmq
 
 from . import codec, protocol
-from .cluster import TOPIC_HEARTBEAT, TOPIC_RPC, ClusterSettings, any_rank, brief, node_topic, rpc_topic
+from .cluster import TOPIC_HEARTBEAT, TOPIC_RPC, ClusterSettings, any_rank, node_topic, rpc_topic
 from .curve import LeaderCurve
-from .errors import CodecError, RingClosed
+from .errors import CodecError, RingClosed, brief
 from .metrics import Metrics
 from .queues import Broadcaster, deadline_of, given_again, remaining, send_frames, send_message, sent_now
 

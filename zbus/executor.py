@@ -21,7 +21,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .cluster import ClusterSettings, brief, port_range, resolve_ip, route_to
+from .cluster import ClusterSettings, port_range, resolve_ip, route_to
 from .config import MAX_POLL_S, WaitPolicy
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
@@ -34,6 +34,7 @@ from .errors import (
     SettingError,
     WorkerDiedError,
     ZbusError,
+    brief,
 )
 from .failure import Failure, again, raise_if_callers, run_every
 from .leader import Leader

@@ -31,14 +31,13 @@ from .cluster import (
     STATUS_TOPIC,
     ClusterSettings,
     any_rank,
-    brief,
     node_topic,
     probe_topics,
     touch_health,
 )
 from .config import DEFAULT_MAX_MESSAGE, MIN_SIZE_LIMIT
 from .datapath import DataPath
-from .errors import ExecutorFailedError, NodeLostError, WorkerDiedError, ZbusError
+from .errors import ExecutorFailedError, NodeLostError, WorkerDiedError, ZbusError, brief
 from .failure import Failure
 from .metrics import Metrics
 

@@ -24,9 +24,8 @@ import traceback
 from typing import Any, Callable, NoReturn
 
 from . import protocol, shm
-from .cluster import brief
 from .config import MAX_POLL_S, WaitPolicy
-from .errors import CodecError, RingClosed, ZbusError
+from .errors import CodecError, RingClosed, ZbusError, brief
 from .logs import setup_logging
 from .processes import end_own_group
 

@@ -28,7 +28,7 @@ import sys
 from typing import Any, Callable
 
 from ..codec import TypeFamily, register_family
-from ..errors import CodecError
+from ..errors import CodecError, brief
 
 # The modules whose types vLLM's executor carries, loaded before any message.
 WIRE_MODULES = (
@@ -158,7 +158,7 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
         return _BUILTINS[name]
     cls = _wire_class(name, state)
     if issubclass(cls, enum.Enum):
-        return lambda name, state: cls(state)
+        return lambda name, state: _member(cls, state)
     if hasattr(cls, "__struct_fields__"):
         return _expect(dict, lambda state: cls(**state))
     if issubclass(cls, tuple):
@@ -222,6 +222,14 @@ def _same_text_config(model_config: Any) -> None:
 _AFTER_BUILD: dict[str, Callable[[Any], None]] = {"vllm.config.model:ModelConfig": _same_text_config}
 
 
+def _member(cls: type, state: Any) -> Any:
+    """The member of the enum ``cls`` whose value is ``state``, a plain value (the
+    enum's own error holds the whole repr of what it is given: a tensor's is 16x it)."""
+    if type(state) not in (int, str, float, bool) or type(state) is str and len(state) > 256:
+        raise CodecError(f"no {cls.__qualname__} has the value {brief(state)}")
+    return cls(state)
+
+
 def _torch_device(state: Any) -> Any:
     import torch
 
@@ -236,7 +244,7 @@ def _torch_dtype(state: Any) -> Any:
     # the module's own names only: torch's module __getattr__ imports or calls what it is named
     dtype = vars(torch).get(state) if type(state) is str else None
     if not isinstance(dtype, torch.dtype):
-        raise CodecError(f"unknown torch dtype {str(state)[:40]!r}")
+        raise CodecError(f"unknown torch dtype {brief(state)}")
     return dtype
 
 
