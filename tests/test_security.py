@@ -435,6 +435,26 @@ lead.close()
     assert got == {"dropped": {"undecodable": 1}, "torch": False}, (got, out.stderr[-2000:])
 
 
+def test_a_leaders_control_message_holding_a_tensor_makes_the_agent_load_nothing():
+    """A heartbeat whose last item holds a tensor (a leader posing on a cluster
+    without keys sends it) made the follower's agent import torch and build the
+    tensor, before the plain-items check passed it (a dict). After its join, the
+    agent decodes the leader's messages as plain data: the message is dropped, and
+    nothing loaded. The agent's decode runs in a process of its own, without torch.
+    Sabotage: ``plain=False`` as ``NodeAgent._decode``'s default -> torch loaded."""
+    script = """
+import json, sys, msgpack
+from zbus.agent import NodeAgent
+tensor = msgpack.ExtType(2, msgpack.packb(["float32", [1], [1], 0]))
+msg = NodeAgent._decode(None, [msgpack.packb(["hb", 1, "session", {"x": tensor}]), bytearray(4)])
+print(json.dumps({"dropped": msg is None, "torch": "torch" in sys.modules}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"dropped": True, "torch": False}, out.stderr[-2000:]
+
+
 def test_follower_exposes_no_port():
     """After the join, with its workers running and serving calls, no process of the
     follower's tree (the agent and its workers) listens on any TCP port.

@@ -30,7 +30,6 @@ from .cluster import (
     TOPIC_HEARTBEAT,
     TOPIC_RPC,
     ClusterSettings,
-    brief,
     heartbeat_interval,
     new_node_id,
     node_topic,
@@ -42,7 +41,7 @@ from .cluster import (
 )
 from .config import MAX_POLL_S, RingGeometry, WaitPolicy
 from .curve import FRAME_SLACK, NodeCurve, curve_dir_from_env, secret_from_env
-from .errors import Cancelled, CodecError, RingClosed, ZbusError
+from .errors import Cancelled, CodecError, RingClosed, ZbusError, brief
 from .processes import LocalWorkers, with_gloo_ifname
 from .queues import bracket, send_message
 from .ring import RingWriter
@@ -693,14 +692,16 @@ class NodeAgent:
 
     def _recv(self) -> tuple[bytes, Any]:
         frames = self.sub.recv_multipart(copy=False)
-        return frames[0].bytes, self._decode([f.buffer for f in frames[1:]])
+        # (the welcome holds the worker's arguments: tensors or registered types, say)
+        return frames[0].bytes, self._decode([f.buffer for f in frames[1:]], plain=False)
 
-    def _decode(self, frames: list) -> list | None:
+    def _decode(self, frames: list, plain: bool = True) -> list | None:
         """A control message (a list of plain items), or None. The leader sends no
         arrays or tensors here, and one would fail the comparisons that read the
-        message (their ``==`` has no truth value)."""
+        message (their ``==`` has no truth value); decoded ``plain``, nothing is
+        loaded or built for one (the welcome alone may hold them)."""
         try:
-            msg = codec.decode(frames)
+            msg = codec.decode(frames, plain=plain)
         except CodecError as e:
             log.warning("dropped a malformed control message: %s", e)
             return None
