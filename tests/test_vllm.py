@@ -381,6 +381,55 @@ def test_a_vllm_enum_or_dtype_sent_a_tensor_or_a_long_text_is_refused_briefly(wi
             assert len(str(e.value)) < 500 and not reprs, (kind, str(e.value)[:300])
 
 
+@pytest.mark.parametrize("budget, share", [("20", 12.0), ("", 3.0)])
+def test_the_workers_shutdown_takes_its_share_of_vllms_shutdown_budget(monkeypatch, budget, share):
+    """vLLM gives the engine ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` to end: the
+    workers' shutdown call may take 0.6 of it (12 s of 20 s, 3 s of the default
+    5 s), the rest going to stopping the processes. Before, 3 s whatever the
+    setting: a slower teardown set 30 s for was cut short at 3 s. A real executor;
+    its workers have no ``shutdown`` (answered with an error, logged). Sabotage: a
+    fixed timeout in ``_shutdown`` -> 3.0 at 20 s."""
+    import workers
+
+    import zbus
+    from zbus.vllm import executor as adapter
+
+    if budget:
+        monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", budget)
+    else:
+        monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", raising=False)
+    ex = zbus.Executor(workers.EchoWorker, nproc_per_node=1)
+    asked, call = [], ex.collective_rpc
+
+    def recorded(method, *args, timeout=None, **kwargs):
+        asked.append((method, timeout))
+        return call(method, *args, timeout=timeout, **kwargs)
+    monkeypatch.setattr(ex, "collective_rpc", recorded)
+    adapter._shutdown(ex)
+    assert asked == [("shutdown", pytest.approx(share))] and ex.failure.error is None
+
+
+def test_a_ctrl_c_in_a_mapped_futures_function_goes_on(wire):
+    """A Ctrl-C raised as a step's output is mapped (vLLM's aggregation, run by the
+    thread that completes the step's future) fails the mapped future and goes on in
+    that thread, as zbus lets a callback's Ctrl-C go on. Before, it was kept in the
+    mapped future alone, which vLLM reads only at times: lost. Sabotage: one
+    ``except BaseException`` that only sets the exception in ``_mapped`` -> no
+    KeyboardInterrupt."""
+    import concurrent.futures
+
+    from zbus.vllm.executor import _mapped
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    step = concurrent.futures.Future()
+    out = _mapped(step, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step.set_result(1)
+    assert isinstance(out.exception(0), KeyboardInterrupt)
+
+
 def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
     """Sabotage: no check of what a remote configuration names (worker class,
     extension, remote code; a KV offloading spec module, an EC connector module, a

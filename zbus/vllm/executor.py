@@ -24,9 +24,10 @@ WORKER = "zbus.vllm.worker:VllmWorker"
 # agents and the engine poll (yielding the core) instead of sleeping, as vLLM's own
 # workers spin for 1 s after each message.
 POLL_BETWEEN_STEPS_S = 0.01
-# vLLM SIGKILLs an engine not gone 5 s after SIGTERM: its workers' shutdown takes
-# 0.4-0.5 s, and whatever is left of the 5 s goes to stopping the processes.
-SHUTDOWN_RPC_S = 3.0
+# vLLM SIGKILLs an engine not gone VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) after
+# SIGTERM: its workers' shutdown (0.4-0.5 s here) may take this share of it, and
+# what is left goes to stopping the processes.
+SHUTDOWN_RPC_SHARE = 0.6
 
 
 # Every worker sees every GPU of its node, as under vLLM's own executor: vLLM takes
@@ -184,13 +185,20 @@ def _shutdown(zbus: Executor) -> None:
     try:
         if zbus.failure.error is None and not zbus.overdue:
             try:
-                zbus.collective_rpc("shutdown", timeout=SHUTDOWN_RPC_S)
+                zbus.collective_rpc("shutdown", timeout=SHUTDOWN_RPC_SHARE * _shutdown_budget())
             except (ZbusError, TimeoutError) as e:
                 log.warning("workers' shutdown: %s", e)
             log.info("vLLM's workers shut down in %.2f s", time.monotonic() - started)
     finally:  # whatever ends the call (Ctrl-C): this runs once, so it stops everything
         zbus.shutdown()
     log.info("zbus shut down in %.2f s", time.monotonic() - started)
+
+
+def _shutdown_budget() -> float:
+    """How long vLLM gives the engine to end before it SIGKILLs it."""
+    import vllm.envs as envs
+
+    return envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
 
 
 def _step_timeout() -> float:
@@ -207,8 +215,11 @@ def _mapped(future: concurrent.futures.Future, func: Callable[[Any], Any]) -> co
     def done(f: concurrent.futures.Future) -> None:
         try:
             out.set_result(func(f.result()))
-        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+        except Exception as e:  # noqa: BLE001 - the caller's future carries it
             out.set_exception(e)
+        except BaseException as e:  # Ctrl-C: it goes on, in whichever thread completes futures
+            out.set_exception(e)
+            raise
 
     future.add_done_callback(done)
     return out
