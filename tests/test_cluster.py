@@ -1822,9 +1822,11 @@ def test_a_follower_stopped_by_sigterm_while_it_closes_leaves_no_ring(tmp_path):
     5 s), and SIGTERM lands then, as ``zbus demo`` ends its followers. The agent
     still removes its ring's name and ends its worker. Before, the signal's
     SystemExit cut its close short before the ring was closed: the name stayed in
-    /dev/shm (a CI run of ``zbus demo``'s SIGTERM test failed so). Sabotage: no
-    ``shm.unlink`` before the waits in ``NodeAgent._close`` -> the agent's segment
-    is left."""
+    /dev/shm (a CI run of ``zbus demo``'s SIGTERM test failed so). The name is
+    gone already while the agent waits for its worker. Sabotage: no ``shm.unlink``
+    before the waits in ``NodeAgent._close`` -> the name is there while it waits
+    (the ring's own close removes it once the wait is cut short); and that close's
+    unlink too -> the agent's segment is left."""
     from zbus import protocol
 
     port = free_port_pair()
@@ -1838,6 +1840,8 @@ def test_a_follower_stopped_by_sigterm_while_it_closes_leaves_no_ring(tmp_path):
             assert lead.path.send_control(node_topic(lead.nodes[1].node_id) + TOPIC_RPC + protocol.PARTS,
                                           ["not", "parts"])
             wait_until((tmp_path / "exit.1").exists, 10, "node 1's worker running its atexit hook")
+            named = [n for n in zbus_segments() if n.split("-")[2] == str(proc.pid)]
+            assert not named, f"node 1's agent waits for its worker with its ring named: {named}"
             proc.terminate()  # the agent waits 2 s for that worker, then SIGTERMs it
             assert proc.wait(15) == 143
             assert psutil.wait_procs(node1, timeout=10)[1] == []

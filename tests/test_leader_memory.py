@@ -17,11 +17,12 @@ import time
 import psutil
 import pytest
 import workers
+import zmq
 from conftest import end_process, wait_until
 from test_cluster import TEST_PATH, follower, free_port_pair
 
 import zbus
-from zbus import cluster, datapath
+from zbus import cluster, datapath, protocol
 
 MiB = 2**20
 GROWTH_LIMIT = 64 * MiB
@@ -430,15 +431,17 @@ def test_a_reply_over_the_largest_reply_is_not_kept_while_its_call_waits(monkeyp
     with node_1_and_a_forger(port) as (proc, push):
         with executor(port) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
-            receiver = ex._leader.path.receivers[1]
             slow = ex.collective_rpc("sleep", args=(3.0,), non_block=True)
             frames = codec.encode([ex._leader.path.session, 1, slow.seq, 0,
                                    (b"y" * (600 * 2**10), b"z" * (600 * 2**10))])
             assert len(frames) == 3
+            # what the leader files of it, as its reader does: the error, no frame kept
+            filed = ex._leader.path._checked_message([zmq.Frame(f) for f in frames])
+            assert filed[:3] == [1, slow.seq, protocol.RAISED] and type(filed[3]) is codec.ExceptionInfo
             push.send_multipart(frames, copy=True)
             with pytest.raises(zbus.RemoteError, match="ZBUS_MAX_REPLY") as info:
                 slow.result(30)  # (at once: an error reply fails its call while rank 0 still sleeps)
-            assert "(on rank 1)" in str(info.value) and slow.seq not in receiver._replies
+            assert "(on rank 1)" in str(info.value)
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
         assert proc.wait(30) == 0
 

@@ -31,9 +31,10 @@ def cluster():
     """Three nodes; after the test, each must be left with no process in its
     namespace and no ``zbus-*`` or node-prefixed name in its /dev/shm (closing the
     cluster kills and removes whatever is there, where the session's own check
-    cannot look). Sabotage: no unlink of the agent's ring after call 1 and
-    ``self.ring.close(unlink=False)`` in ``NodeAgent._close`` -> each follower's ring
-    name stays (``test_relay_sends_one_copy_per_follower_node`` fails here)."""
+    cannot look). Sabotage: none of the agent's three unlinks of its ring (after
+    call 1, first in ``NodeAgent._close``, and ``self.ring.close(unlink=False)``
+    there) -> each follower's ring name stays
+    (``test_relay_sends_one_copy_per_follower_node`` fails here)."""
     with NetnsCluster(3) as c:
         yield c
         left: dict = {}
