@@ -72,20 +72,39 @@ def test_a_bad_flag_is_refused_before_anything_runs(argv, says, tmp_path):
     assert "running" not in out.stderr and "Traceback" not in out.stderr
 
 
+SECRET = "0123456789abcdef" * 2
+
+
 @pytest.mark.parametrize("argv, env, says", [
     (["keygen", "{tmp}"], {}, "is not empty: keygen makes a whole new set"),
     (["status", "--secret-file", "{tmp}/none", "--timeout", "0.2"], {}, "No such file or directory"),
     (["follower", "--master-addr", "127.0.0.1", "--curve-dir", "{tmp}/none"], {}, "missing key file"),
     (["follower", "--master-addr", "127.0.0.1"], {"ZBUS_MASTER_PORT": "70000"}, "master_port 70000 outside"),
-], ids=["keygen-not-empty", "status-no-secret-file", "follower-no-keys", "follower-port-setting"])
+    (["status", "--timeout", "1"], {"ZBUS_MASTER_PORT": "abc"}, "ZBUS_MASTER_PORT='abc': expected a whole"),
+    (["follower"], {"ZBUS_NNODES": "two"}, "ZBUS_NNODES='two': expected a whole number"),
+    (["follower"], {"ZBUS_NODE_RANK": "x"}, "ZBUS_NODE_RANK='x': expected a whole number"),
+    (["follower"], {"ZBUS_LIVENESS_S": "fast"}, "ZBUS_LIVENESS_S='fast': expected a number"),
+    (["follower", "--node-rank", "0"], {"ZBUS_SECRET": SECRET}, "needs its rank, 1 or more"),
+    (["demo"], {"ZBUS_NPROC_PER_NODE": "zz"}, "ZBUS_NPROC_PER_NODE='zz': expected a whole number"),
+    (["demo"], {"ZBUS_NPROC_PER_NODE": "0"}, "nproc_per_node (0) must be at least 1"),
+    (["demo", "--nnodes", "2", "--master-port", "1"], {"ZBUS_SECRET": SECRET, "ZBUS_CURVE_DIR": "/none"},
+     "give a cluster secret or a key folder"),
+], ids=["keygen-not-empty", "status-no-secret-file", "follower-no-keys", "follower-port-setting",
+        "status-port-not-a-number", "nnodes", "node-rank", "liveness", "secret-node-rank-0", "demo-nproc",
+        "demo-nproc-0", "demo-secret-and-keys"])
 def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp_path):
     """A key folder or secret file that is not there, a folder keygen would
-    overwrite, a port setting out of range: the command says so in one line and
-    exits 1. Before, each was a traceback (the command's ZbusError, OSError or
-    ValueError let out of ``main``); the flags were plain ints (``--master-port
-    70000``, ``follower --nproc-per-node 0``, ``demo --nnodes 0``: tracebacks from
-    the settings' checks) and ``bench --seconds inf`` ran for ever (the cases of the
-    test above). Sabotage: no ``except`` around ``args.func`` in ``zbus.cli.main``."""
+    overwrite, a port setting out of range or not a number: the command says so in
+    one line naming it and exits 1. Before, each was a traceback (the command's
+    ZbusError, OSError or ValueError let out of ``main``; later ``int()``'s
+    "invalid literal" of a ``ZBUS_*`` number, the demo's and the executor's own
+    ValueErrors); the flags were plain ints (``--master-port 70000``, ``follower
+    --nproc-per-node 0``, ``demo --nnodes 0``: tracebacks from the settings'
+    checks) and ``bench --seconds inf`` ran for ever (the cases of the test above).
+    A follower with a secret and node rank 0, whose key no leader admits, waited
+    out its join timeout (300 s). Sabotage: no ``except`` around ``args.func`` in
+    ``zbus.cli.main``; ``int(...)`` back in ``ClusterSettings.resolve``; no rank
+    check in ``NodeAgent._keys``."""
     (tmp_path / "x").touch()
     argv = [a.format(tmp=tmp_path) for a in argv]
     out = subprocess.run([sys.executable, "-m", "zbus.cli", *argv], capture_output=True, text=True,
@@ -217,6 +236,7 @@ def test_settings_left_empty_count_as_unset_and_bad_flags_are_usage_errors():
     ("ZBUS_PORT_RANGE", "70000-70010", "expected lo-hi"),
     ("ZBUS_PORT_RANGE", "9000", "expected lo-hi"),
     ("ZBUS_METRICS_PORT", "70000", "metrics_port 70000 outside 1..65535"),
+    ("ZBUS_METRICS_PORT", "9090x", "ZBUS_METRICS_PORT='9090x': expected a whole number"),
 ])
 def test_port_settings_out_of_their_range_are_refused_by_name(name, value, says, monkeypatch):
     """A port range from 0 bound a random port outside the firewall's range, one

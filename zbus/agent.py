@@ -38,6 +38,7 @@ from .cluster import (
     route_to,
     rpc_topic,
     touch_health,
+    typed_setting,
 )
 from .config import MAX_POLL_S, RingGeometry, WaitPolicy
 from .curve import FRAME_SLACK, NodeCurve, curve_dir_from_env, secret_from_env
@@ -160,8 +161,8 @@ class NodeAgent:
                  allowed_workers: tuple[str, ...] | None = None, secret: bytes | str | None = None,
                  secret_file: str | None = None):
         self.settings = ClusterSettings.resolve(None, nproc_per_node, master_addr, master_port)
-        env_rank = os.environ.get("ZBUS_NODE_RANK") or os.environ.get("LWS_WORKER_INDEX")
-        self.node_rank = node_rank if node_rank is not None else (int(env_rank) if env_rank else None)
+        self.node_rank = typed_setting(int, "--node-rank", node_rank, None, "ZBUS_NODE_RANK",
+                                       "LWS_WORKER_INDEX")
         self.advertise_addr = advertise_addr or os.environ.get("ZBUS_ADVERTISE_ADDR")
         self.join_timeout = join_timeout
         self.allow_import_calls = allow_import_calls
@@ -205,9 +206,9 @@ class NodeAgent:
         if secret and curve_dir:
             raise ZbusError("give a cluster secret or a key folder (--curve-dir), not both")
         if secret:
-            if self.node_rank is None:
-                raise ZbusError("with a cluster secret this node needs its rank (--node-rank, "
-                                "ZBUS_NODE_RANK): its key is derived for that rank")
+            if self.node_rank is None or self.node_rank < 1:  # (0 is the leader's; -1, any, cannot be)
+                raise ZbusError(f"with a cluster secret this node needs its rank, 1 or more (--node-rank, "
+                                f"ZBUS_NODE_RANK; got {self.node_rank}): its key is derived for that rank")
             return NodeCurve.from_secret(secret, self.node_rank)
         return NodeCurve.from_dir(curve_dir) if curve_dir else None
 

@@ -105,6 +105,18 @@ def _pick(arg: Any, default: Any, *names: str) -> Any:
     return default if value is None else value
 
 
+def typed_setting(kind: type, field: str, arg: Any, default: Any, *names: str) -> Any:
+    """``_pick``'s value as ``kind`` (None stays None); else a SettingError naming
+    the argument or variable it came from."""
+    value = _pick(arg, default, *names)
+    try:
+        return None if value is None else kind(value)
+    except (TypeError, ValueError):
+        where = field if arg is not None else next(n for n in names if _env(n) is not None)
+        raise SettingError(f"{where}={value!r}: expected {'a whole number' if kind is int else 'a number'}"
+                           ) from None
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     """Where the leader is and how big the cluster is. Each field comes from the
@@ -123,11 +135,12 @@ class ClusterSettings:
         """Only None means "not given": an explicit 0 or "" is checked, never replaced
         by a default. ``master_port`` 0 is refused: the followers must know it."""
         s = cls(
-            nnodes=int(_pick(nnodes, 1, "ZBUS_NNODES", "LWS_GROUP_SIZE")),
-            nproc_per_node=int(_pick(nproc_per_node, 1, "ZBUS_NPROC_PER_NODE")),
+            nnodes=typed_setting(int, "nnodes", nnodes, 1, "ZBUS_NNODES", "LWS_GROUP_SIZE"),
+            nproc_per_node=typed_setting(int, "nproc_per_node", nproc_per_node, 1, "ZBUS_NPROC_PER_NODE"),
             master_addr=str(_pick(master_addr, "127.0.0.1", "ZBUS_MASTER_ADDR", "LWS_LEADER_ADDRESS")),
-            master_port=int(_pick(master_port, DEFAULT_MASTER_PORT, "ZBUS_MASTER_PORT")),
-            liveness_s=float(_pick(liveness_s, 10.0, "ZBUS_LIVENESS_S")),
+            master_port=typed_setting(int, "master_port", master_port, DEFAULT_MASTER_PORT,
+                                      "ZBUS_MASTER_PORT"),
+            liveness_s=typed_setting(float, "liveness_s", liveness_s, 10.0, "ZBUS_LIVENESS_S"),
         )
         s._check()
         return s

@@ -124,14 +124,15 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
     loopback. With ``nnodes``, lead a cluster whose followers run elsewhere."""
     import torch
 
-    from .cluster import free_port_pair
+    from .cluster import free_port_pair, typed_setting
+    from .errors import SettingError
     from .executor import Executor
 
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
-    if nproc_per_node is None:  # (an explicit 0 is refused, not replaced)
-        nproc_per_node = int(os.environ.get("ZBUS_NPROC_PER_NODE") or 2)
+    # (an explicit 0 is refused, not replaced)
+    nproc_per_node = typed_setting(int, "--nproc-per-node", nproc_per_node, 2, "ZBUS_NPROC_PER_NODE")
     if steps < 1 or nproc_per_node < 1:
-        raise ValueError(f"steps ({steps}) and nproc_per_node ({nproc_per_node}) must be at least 1")
+        raise SettingError(f"steps ({steps}) and nproc_per_node ({nproc_per_node}) must be at least 1")
     local = nnodes is None
     followers: list[Any] = []
     keys = curve_dir = None

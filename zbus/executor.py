@@ -21,7 +21,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .cluster import ClusterSettings, port_range, resolve_ip, route_to
+from .cluster import ClusterSettings, port_range, resolve_ip, route_to, typed_setting
 from .config import MAX_POLL_S, WaitPolicy
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
@@ -846,10 +846,9 @@ class MultiprocExecutor(Executor):
         # keys derived from one cluster secret (an explicit curve_dir beats ZBUS_SECRET)
         self.secret = secret_from_env(secret) if secret or not curve_dir else None
         if self.secret and self.curve_dir:
-            raise ValueError("give a cluster secret or a key folder (curve_dir), not both")
+            raise SettingError("give a cluster secret or a key folder (curve_dir), not both")
         self.insecure = os.environ.get("ZBUS_INSECURE") == "1" if insecure is None else insecure
-        port = metrics_port or os.environ.get("ZBUS_METRICS_PORT")
-        self.metrics_port = int(port) if port else None
+        self.metrics_port = typed_setting(int, "metrics_port", metrics_port, None, "ZBUS_METRICS_PORT")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:  # (before any node joins)
             raise SettingError(f"metrics_port {self.metrics_port} outside 1..65535")
         self._metrics_server: Any = None
