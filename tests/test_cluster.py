@@ -553,6 +553,37 @@ def test_status_of_a_running_leader_and_its_prometheus_metrics():
         end_process(proc)
 
 
+def test_the_latency_histograms_count_is_of_the_same_snapshot_as_its_buckets():
+    """A call completes while a scrape is made: the histogram's ``+Inf`` bucket (its
+    count) and its sum are of the same snapshot as its finite buckets. Before, they
+    were read afterwards, live: ``+Inf`` could exceed the last finite bucket with no
+    call that slow (``histogram_quantile`` then gave the top bound). Sabotage:
+    ``metrics.latency.n`` for ``+Inf`` in ``serve_prometheus`` (as before)."""
+    import urllib.request
+
+    from zbus import metrics
+
+    class CallDuringScrape(metrics.Metrics):
+        def snapshot(self):
+            snap = super().snapshot()
+            self.rpc_done(1e-6, None)  # (as another thread's call would)
+            return snap
+
+    stats = CallDuringScrape()
+    stats.rpc_done(1e-6, None)
+    port = free_port_pair()
+    server, _ = metrics.serve_prometheus(stats, port, "127.0.0.1")
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    buckets = dict(line.rsplit(" ", 1) for line in body.splitlines()
+                   if line.startswith("zbus_rpc_latency_seconds_bucket"))
+    top = f'zbus_rpc_latency_seconds_bucket{{le="{metrics.BUCKETS[-1]!r}"}}'
+    assert float(buckets['zbus_rpc_latency_seconds_bucket{le="+Inf"}']) == float(buckets[top]) == 1.0, body
+
+
 def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_environment():
     import os
 

@@ -1604,6 +1604,33 @@ def test_an_error_on_a_rank_that_does_not_answer_is_logged_by_it(tmp_path, capfd
     assert "Traceback" in err and "[node 0 rank 0]" not in err, err
 
 
+def test_a_metrics_port_taken_fails_the_start_before_any_worker_starts(monkeypatch):
+    """The metrics server starts first: a port already taken fails the executor's
+    start before a worker process (or, with nodes, a join) is made. Before, it
+    was bound once every rank was ready, and a taken port then tore the whole
+    cluster down (with vLLM, minutes of model loading). Sabotage: start the
+    metrics server at the end of ``MultiprocExecutor._start`` (as before) -> the
+    workers were started."""
+    import socket
+
+    from zbus import executor
+
+    started = []
+
+    class Recorded(executor.LocalWorkers):
+        def __init__(self, *args, **kwargs):
+            started.append(1)
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(executor, "LocalWorkers", Recorded)
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        with pytest.raises(OSError, match="in use"):
+            zbus.Executor(EchoWorker, nproc_per_node=2, metrics_port=taken.getsockname()[1])
+        assert started == []
+    finally:
+        taken.close()
+
+
 def test_workers_orphaned_inside_a_call_run_their_atexit_hooks(tmp_path):
     """A library's clean-up registered with ``atexit`` (vLLM's CPU all-reduce removes
     its shared memory so) still runs when the driver is SIGKILLed while the workers

@@ -455,6 +455,40 @@ print(json.dumps({"dropped": msg is None, "torch": "torch" in sys.modules}))
     assert json.loads(out.stdout.splitlines()[-1]) == {"dropped": True, "torch": False}, out.stderr[-2000:]
 
 
+def test_the_metrics_server_drops_a_silent_client_and_answers_a_bad_header_without_a_traceback(
+        monkeypatch, capfd):
+    """The metrics port takes no key: a client that connects and sends nothing is
+    dropped after ``METRICS_IDLE_S`` (1 s here), and one whose ``Accept`` header
+    prometheus-client cannot parse gets 400, with nothing on the driver's stderr;
+    a scrape after both is answered. Before (prometheus-client's own server), the
+    silent client held its connection and a thread for good (the socket's 30 s
+    wait here timed out), and the header printed a traceback on every request.
+    Sabotage: no ``timeout`` on ``metrics._serve``'s handler, or no ``except``
+    in its ``app``."""
+    import urllib.error
+    import urllib.request
+
+    from zbus import metrics
+
+    monkeypatch.setattr(metrics, "METRICS_IDLE_S", 1.0)
+    port = free_port_pair()
+    server, _ = metrics.serve_prometheus(metrics.Metrics(), port, "127.0.0.1")
+    silent = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        assert silent.recv(1) == b""  # closed by the server
+        url = f"http://127.0.0.1:{port}/metrics"
+        bad = urllib.request.Request(url, headers={"Accept": "text/plain; version=x"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(bad, timeout=10)
+        assert e.value.code == 400
+        assert b"zbus_rpcs_total 0" in urllib.request.urlopen(url, timeout=10).read()
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        silent.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_follower_exposes_no_port():
     """After the join, with its workers running and serving calls, no process of the
     follower's tree (the agent and its workers) listens on any TCP port.

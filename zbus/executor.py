@@ -875,6 +875,9 @@ class MultiprocExecutor(Executor):
 
     def _start(self) -> None:
         shm.sweep_stale()
+        if self.metrics_port:  # first: a port taken fails the start before any worker or node
+            self._metrics_server = serve_prometheus(self.metrics, self.metrics_port,
+                                                    resolve_ip(self.master_addr))
         n, s = self.nproc_per_node, self.settings
         policy = WaitPolicy.from_env(waiters=n + 1)  # this node's workers and this process
         if self.nnodes > 1:
@@ -927,9 +930,6 @@ class MultiprocExecutor(Executor):
             # so that no end leaves them in /dev/shm, a SIGKILL of every process at
             # once included (vLLM's server does that to its engine's process tree).
             self._unlink_names()
-            if self.metrics_port:
-                self._metrics_server = serve_prometheus(self.metrics, self.metrics_port,
-                                                        resolve_ip(self.master_addr))
         except TimeoutError:
             raise StartupError(f"workers not ready within {self.startup_timeout} s "
                                f"(local workers alive: {self._workers.alive()})") from None

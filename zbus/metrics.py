@@ -5,12 +5,19 @@ for, served to Prometheus (``prometheus-client``, an optional dependency)."""
 from __future__ import annotations
 
 import bisect
+import socket
+import sys
 import threading
 import time
 from typing import Any
 
+from .errors import SettingError
+
 # Latency buckets (seconds): 10 us .. ~80 s, x2 apart.
 BUCKETS = tuple(10e-6 * 2**i for i in range(24))
+# An HTTP client of the metrics server that sends nothing holds its connection,
+# and the thread that serves it, this long at most.
+METRICS_IDLE_S = 10.0
 
 
 class Histogram:
@@ -86,22 +93,24 @@ class Metrics:
             return {"uptime_s": time.time() - self.started, "rpcs": self.rpcs,
                     "errors": dict(self.errors), "bytes_sent": self.bytes_sent,
                     "latency_s": pct, "latency_buckets": list(zip(BUCKETS, self.latency.counts)),
+                    "latency_count": self.latency.n, "latency_sum_s": self.latency.total,
                     "heartbeats": dict(self.heartbeats), "dropped_frames": self.dropped_frames,
                     "dropped_by": dict(self.dropped_by)}
 
 
 def serve_prometheus(metrics: Metrics, port: int, addr: str, describe: Any = None) -> Any:
-    """Expose ``metrics`` on http://addr:port/metrics; needs ``prometheus-client``."""
+    """Expose ``metrics`` on http://addr:port/metrics (needs ``prometheus-client``):
+    the server and its thread."""
     try:
-        from prometheus_client import start_http_server
+        from prometheus_client import make_wsgi_app
         from prometheus_client.core import (
             CollectorRegistry,
             CounterMetricFamily,
             GaugeMetricFamily,
             HistogramMetricFamily,
         )
-    except ImportError as e:
-        raise ImportError("metrics_port needs prometheus-client: pip install prometheus-client") from e
+    except ImportError:
+        raise SettingError("metrics_port needs prometheus-client: pip install prometheus-client") from None
 
     class Collector:
         def collect(self):  # noqa: ANN202 - prometheus-client's protocol
@@ -116,9 +125,9 @@ def serve_prometheus(metrics: Metrics, port: int, addr: str, describe: Any = Non
             for bound, count in snap["latency_buckets"]:
                 cum += count
                 buckets.append((repr(bound), cum))
-            buckets.append(("+Inf", metrics.latency.n))
+            buckets.append(("+Inf", snap["latency_count"]))  # (of the same snapshot as the rest)
             yield HistogramMetricFamily("zbus_rpc_latency_seconds", "collective_rpc round trip",
-                                        buckets=buckets, sum_value=metrics.latency.total)
+                                        buckets=buckets, sum_value=snap["latency_sum_s"])
             hb = CounterMetricFamily("zbus_heartbeats", "heartbeats received", labels=["node"])
             for node, n in snap["heartbeats"].items():
                 hb.add_metric([str(node)], n)
@@ -129,4 +138,37 @@ def serve_prometheus(metrics: Metrics, port: int, addr: str, describe: Any = Non
 
     registry = CollectorRegistry()
     registry.register(Collector())
-    return start_http_server(port, addr=addr, registry=registry)
+    return _serve(make_wsgi_app(registry), port, addr)
+
+
+def _serve(scrape: Any, port: int, addr: str) -> tuple[Any, threading.Thread]:
+    """prometheus-client's server, less what an unauthenticated client could do
+    with it: hold a thread for good by sending nothing, or print a traceback on the
+    driver's stderr by a request it cannot parse."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass  # (a client that timed out or went away: the next one is served)
+
+    class Handler(WSGIRequestHandler):
+        timeout = METRICS_IDLE_S
+
+        def log_message(self, *args: Any) -> None:
+            pass  # (a scrape is no news)
+
+    def app(environ: dict, start_response: Any) -> Any:
+        try:
+            return scrape(environ, start_response)
+        except Exception:  # noqa: BLE001 - an Accept header prometheus-client cannot parse, say
+            start_response("400 Bad Request", [("Content-Type", "text/plain")], sys.exc_info())
+            return [b"bad request\n"]
+
+    server = make_server(addr, port, app, Server, handler_class=Handler)
+    thread = threading.Thread(target=server.serve_forever, name="zbus-metrics", daemon=True)
+    thread.start()
+    return server, thread
