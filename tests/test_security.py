@@ -489,6 +489,59 @@ def test_the_metrics_server_drops_a_silent_client_and_answers_a_bad_header_witho
         server.server_close()
 
 
+def status_from_a_posing_leader(answer: list) -> subprocess.CompletedProcess:
+    """``zbus status`` (3 s) against a peer on two free ports that answers each
+    status request with ``answer``, as a leader of another version or one posing
+    as it would."""
+    port = free_port_pair()
+    ctx = zmq.Context()
+    xpub, pull = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
+    done = threading.Event()
+
+    def answer_each() -> None:
+        while not done.is_set():
+            if pull.poll(100):
+                asked = codec.decode(pull.recv_multipart())
+                xpub.send_multipart([b"S" + asked[1].encode(), *codec.encode(answer)])
+
+    answering = threading.Thread(target=answer_each, daemon=True)
+    try:
+        xpub.bind(f"tcp://127.0.0.1:{port}")
+        pull.bind(f"tcp://127.0.0.1:{port + 1}")
+        answering.start()
+        return subprocess.run([sys.executable, "-m", "zbus.cli", "status", "--master-port", str(port),
+                               "--timeout", "3"], capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    finally:
+        done.set()
+        answering.join(5)
+        xpub.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
+def test_zbus_status_says_in_one_line_what_it_cannot_read_and_prints_no_escape():
+    """``zbus status`` reads the answer of whoever listens on the leader's ports: an
+    answer of the wrong shape is not one (no leader answered), a status without a
+    field this version reads is said in one line, and what peers named (a host,
+    the failure) is printed without its escapes. Before, the first two were
+    tracebacks (TypeError, KeyError) and the escape reached the operator's
+    terminal. Sabotage: no ``type(msg[1]) is dict`` in ``query_status``, no
+    ``except`` round the formatting in ``cli._status``, or no ``_shown`` of the
+    host."""
+    status = {"world_size": 2, "output_rank": 0, "uptime_s": 1.0, "failed": "lost \x1b[2J",
+              "rpcs": 0, "latency_s": {"p50": None, "p90": None, "p99": None}, "bytes_sent": 0,
+              "errors": {}, "dropped_frames": 0,
+              "nodes": [{"node_rank": 1, "host": "\x1b]0;owned\x07", "ranks": [1]}]}
+    wrong = status_from_a_posing_leader(["status", [1, 2]])
+    assert wrong.returncode == 1 and "no leader answered" in wrong.stderr, wrong.stderr[-2000:]
+    old = status_from_a_posing_leader(["status", {k: v for k, v in status.items() if k != "output_rank"}])
+    assert old.returncode == 1 and "no status this version reads (KeyError" in old.stderr, old.stderr[-2000:]
+    shown = status_from_a_posing_leader(["status", status])
+    assert shown.returncode == 1 and "FAILED: lost ?[2J" in shown.stdout and "?]0;owned?" in shown.stdout
+    assert "\x1b" not in shown.stdout and "Traceback" not in wrong.stderr + old.stderr + shown.stderr
+
+
 def test_follower_exposes_no_port():
     """After the join, with its workers running and serving calls, no process of the
     follower's tree (the agent and its workers) listens on any TCP port.

@@ -52,8 +52,14 @@ def _status(args: argparse.Namespace) -> int:
         print(f"zbus status: {e}. Is the leader running, and are --master-addr/--master-port "
               "its address and first port?", file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=1) if args.json else format_status(status))
-    return 1 if status["failed"] else 0  # (a health check sees a failed executor)
+    try:
+        text, failed = json.dumps(status, indent=1) if args.json else format_status(status), status["failed"]
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # another version's leader, or none
+        print(f"zbus status: the answer at {s.master_addr}:{s.master_port} is no status this version "
+              f"reads ({type(e).__name__}: {_shown(e)[:200]})", file=sys.stderr)
+        return 1
+    print(text)
+    return 1 if failed else 0  # (a health check sees a failed executor)
 
 
 def _seconds(text: str) -> float:
@@ -96,16 +102,22 @@ def format_status(st: dict) -> str:
     us = lambda v: "-" if v is None else f"{v * 1e6:.0f} us"  # noqa: E731
     lat = st["latency_s"]
     lines = [f"world size {st['world_size']}, output rank {st['output_rank']}, "
-             f"up {st['uptime_s']:.0f} s" + (f", FAILED: {st['failed']}" if st["failed"] else ""),
+             f"up {st['uptime_s']:.0f} s" + (f", FAILED: {_shown(st['failed'])}" if st["failed"] else ""),
              f"rpcs {st['rpcs']}  latency p50 {us(lat['p50'])}  p90 {us(lat['p90'])}  p99 {us(lat['p99'])}"
              f"  bytes sent {st['bytes_sent']}",
              f"errors {st['errors'] or 'none'}  dropped frames {st['dropped_frames']}", "nodes:"]
     for n in st["nodes"]:
         hb = f"  last heartbeat {n['last_heartbeat_s']:.1f} s ago" if "last_heartbeat_s" in n else ""
-        core = f"  core {n['core']}" if "core" in n else ""
+        core = f"  core {_shown(n['core'])}" if "core" in n else ""
         ranks = f"ranks {n['ranks'][0]}..{n['ranks'][-1]}"
-        lines.append(f"  node {n['node_rank']}  {n['host']:<16} {ranks}{core}{hb}")
+        lines.append(f"  node {n['node_rank']}  {_shown(n['host']):<16} {ranks}{core}{hb}")
     return "\n".join(lines)
+
+
+def _shown(text: object) -> str:
+    """``text`` as the terminal may print it: no escape or control character (a
+    leader's answer names what peers said)."""
+    return "".join(c if c.isprintable() else "?" for c in str(text))
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ import zmq
 
 from . import codec
 from .config import size_setting
-from .errors import SettingError, ZbusError
+from .errors import CodecError, SettingError, ZbusError
 from .queues import bracket, send_message
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 MAX_REPLY_DEFAULT = 256 * 2**20
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
+STATUS_MAX = 16 * 2**20  # the largest answer ``zbus status`` reads (4096 nodes take about 1 MiB)
 DEFAULT_MASTER_PORT = 29650
 LIVENESS_RANGE_S = (0.5, 600.0)  # a leader's liveness limit, which a welcome tells its nodes
 
@@ -296,6 +297,7 @@ def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IPV6, ":" in ip)
         sub.setsockopt(zmq.SUBSCRIBE, STATUS_TOPIC + token.encode())
+        sub.setsockopt(zmq.MAXMSGSIZE, STATUS_MAX)
         sub.connect(f"tcp://{bracket(ip)}:{master_port}")
         push.connect(f"tcp://{bracket(ip)}:{master_port + 1}")
         deadline = time.monotonic() + timeout
@@ -303,8 +305,11 @@ def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
             send_message(push, ["status", token], 0.5, "status")
             if sub.poll(500, zmq.POLLIN):
                 _, *frames = sub.recv_multipart()
-                msg = codec.decode(frames)
-                if type(msg) is list and len(msg) == 2 and msg[0] == "status":
+                try:  # (plain: the answer holds no tensor, array or registered type, nor loads one)
+                    msg = codec.decode(frames, STATUS_MAX, plain=True) if frames else None
+                except CodecError:
+                    continue
+                if type(msg) is list and len(msg) == 2 and msg[0] == "status" and type(msg[1]) is dict:
                     return msg[1]
         raise TimeoutError(f"no leader answered at {master_addr}:{master_port} within {timeout} s")
     finally:
