@@ -1380,6 +1380,33 @@ def test_the_rest_of_a_call_whose_send_timed_out_goes_out_without_another_call(m
         ex.shutdown()
 
 
+def test_a_call_whose_rest_cannot_be_kept_fails_the_executor_saying_so(monkeypatch, tmp_path):
+    """A 1 MiB call's send times out in the full 256 KiB ring (the worker sleeps in
+    the call before), and the copy of its rest, which the caller's buffer must not
+    be, fails (no memory): the caller gets the MemoryError and the executor fails
+    saying why, at once. Before, the rest kept pointing into the caller's buffer
+    and was streamed later, whatever it then held. Sabotage: no ``ring.aborted``
+    check in ``_send_cut_short`` -> the executor serves on over an aborted ring
+    (failing later, with a worker's death)."""
+    from zbus import ring
+
+    monkeypatch.setenv("ZBUS_RING", "64Kx4")
+    ex = zbus.Executor(workers.EchoWorker, nproc_per_node=1)
+    try:
+        ex.collective_rpc("sleep", args=(2.0,), non_block=True)
+
+        def no_memory(*args):
+            raise MemoryError
+        monkeypatch.setattr(ring, "bytes", no_memory, raising=False)  # (its copy's one use)
+        with pytest.raises(MemoryError):
+            ex.collective_rpc("mark", args=(str(tmp_path / "m"), b"x" * 2**20), timeout=0.3)
+        monkeypatch.delattr(ring, "bytes")
+        assert isinstance(ex.failure.error, zbus.ExecutorFailedError)
+        assert "call 2 could not be finished in this node's ring" in str(ex.failure.error)
+    finally:
+        ex.shutdown()
+
+
 def test_a_future_fails_at_its_deadline_while_the_ring_waits_to_be_flushed(monkeypatch, tmp_path):
     """A non-blocking call with a 1 s timeout to a worker that sleeps 4 s, then a
     1 MiB call whose send times out in the full 256 KiB ring: the completer thread

@@ -1824,6 +1824,37 @@ def test_a_ring_geometry_that_a_core_cannot_use_is_refused_when_made():
     assert RingGeometry(320, 2).n_chunks == 2
 
 
+def test_a_send_whose_rest_cannot_be_copied_ends_the_ring_and_keeps_none_of_the_callers_bytes(monkeypatch):
+    """A send times out on a full ring (its reader reads nothing) with its message
+    begun, and copying the rest (so that the caller may change its buffer) fails:
+    MemoryError here, a second Ctrl-C the same. The error goes on, the ring is
+    aborted, and nothing of the caller's is kept: its reader gets no message, and
+    no flush can send the bytes the caller writes since. Before, the rest still
+    pointed into the caller's buffer, and the next flush streamed what it held
+    then. Sabotage: keep ``self._pending`` as it was when the copy fails (no
+    ``self._pending = None`` and ``abort()``) -> ``pending`` still, and not aborted."""
+    writer = RingWriter.create(1, RingGeometry(256, 4), WaitPolicy(0, 0, 600))
+    reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 0, 600))
+    buf = bytearray(b"a" * 4096)
+    try:
+        def no_memory(*args):
+            raise MemoryError
+        monkeypatch.setattr(ring, "bytes", no_memory, raising=False)  # (the copy is its one use)
+        with pytest.raises(MemoryError):
+            writer.send([buf], timeout=0.05)
+        monkeypatch.delattr(ring, "bytes")
+        buf[:] = b"b" * 4096
+        assert writer.aborted and not writer.pending
+        writer.flush(time.monotonic() + 1)  # (nothing left to send)
+        with pytest.raises(zbus.RingClosed):
+            reader.recv(timeout=5)
+        with pytest.raises(zbus.RingClosed):
+            writer.send([b"next"], timeout=1)
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_a_ctrl_c_as_a_message_is_announced_leaves_no_reader_asleep(monkeypatch):
     """A Ctrl-C lands in ``send`` once the message is published, before the reader
     asleep waiting for it is rung: the writer says it has something pending, and

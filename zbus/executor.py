@@ -1087,6 +1087,12 @@ class MultiprocExecutor(Executor):
             self._seq = call.seq - 1
             return
         call.sent = True
+        ring = self._bcast.ring
+        if ring is not None and got[0] and ring.aborted:  # (see RingWriter.send)
+            self.failure.fail(ExecutorFailedError(
+                f"call {call.seq} could not be finished in this node's ring: its send was cut short "
+                f"({type(error).__name__}) and the rest could not be kept"))
+            return
         if all(got):
             if self._bcast.ring is not None and self._bcast.ring.pending:
                 self._completer.flush_soon()

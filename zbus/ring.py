@@ -175,6 +175,11 @@ class _Ring:
         _fence()
         self._wake_all()
 
+    @property
+    def aborted(self) -> bool:
+        """Whether the ring was aborted (by any process)."""
+        return bool(self._i[_I_STATE])
+
     def _ended(self) -> bool:
         return bool(self._i[_I_CLOSED] or self._i[_I_STATE])
 
@@ -335,7 +340,13 @@ class RingWriter(_Ring):
             # The rest goes later: copy it now, the caller may change its buffers.
             pieces, i, off, left = self._pending
             rest = [pieces[i][off:], *pieces[i + 1:]] if i < len(pieces) else []
-            self._pending = ([memoryview(bytes(p)) for p in rest if p.nbytes], 0, 0, left)
+            self._pending = None  # (never the caller's buffers, whatever cuts the copy short)
+            try:
+                rest = [memoryview(bytes(p)) for p in rest if p.nbytes]
+            except BaseException:  # no memory for it, a second Ctrl-C: it cannot be finished, and
+                self.abort()  # its readers see the ring end, never bytes the caller wrote since
+                raise
+            self._pending = (rest, 0, 0, left)
             if isinstance(e, TimeoutError):
                 raise SendTimeout(str(e), queued=True) from None
             raise
