@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import os
 import re
 import signal
@@ -463,6 +464,71 @@ def test_unknown_and_private_methods_are_refused(ex):
             ex.collective_rpc(method)
         assert type(e.value) is zbus.ZbusError, e.value
     assert ex.collective_rpc("noop") == [None, None]
+
+
+@pytest.mark.parametrize("backend", ["mp", "inproc"])
+def test_a_rank_timeout_or_keyword_no_call_can_carry_is_refused_before_it_is_sent(ex, backend, tmp_path):
+    """A float or bool ``unique_reply_rank`` (or ``output_rank``), a NaN timeout,
+    keyword names that are no strings: refused before anything is sent, the next
+    call answered; a numpy rank and an infinite timeout are taken. Before, with
+    ``mp``: a rank of 1.0 or True was sent, every worker dropped the call as no
+    call (its envelope's rank must be an int), and the executor was stuck on it
+    (TypeError at every later call) or failed; ``timeout=inf`` raised OverflowError
+    from a lock; ``{1: 2}`` was sent and refused by every rank. With ``inproc``,
+    ``timeout=0`` ran the method. Sabotage: the range check alone in
+    ``rank_of`` (as before) -> no TypeError for 1.0; ``deadline_of`` without its
+    ``TIMEOUT_MAX`` -> OverflowError; no ``remaining`` before ``run_call`` in the
+    inproc ``collective_rpc`` -> the mark is made."""
+    import numpy as np
+
+    e = ex if backend == "mp" else zbus.Executor(EchoWorker, backend="inproc")
+    last = e.world_size - 1
+    try:
+        for rank in (float(last), True, "0"):
+            with pytest.raises(TypeError, match="unique_reply_rank must be a whole number"):
+                e.collective_rpc("rank_value", args=(1,), unique_reply_rank=rank, timeout=10)
+        with pytest.raises(ValueError, match="NaN"):
+            e.collective_rpc("rank_value", args=(1,), timeout=float("nan"))
+        with pytest.raises(TypeError, match="keyword argument names must be strings"):
+            e.collective_rpc("echo", kwargs={1: 2}, timeout=10)
+        with pytest.raises(TypeError, match="output_rank must be a whole number"):
+            zbus.Executor(EchoWorker, backend=backend, output_rank=0.0)
+        mark = tmp_path / "m"
+        with pytest.raises(TimeoutError):
+            e.collective_rpc("mark", args=(str(mark),), timeout=0)
+        assert e.collective_rpc("rank_value", args=(1,), unique_reply_rank=np.int64(last),
+                                timeout=math.inf) == 10 + last
+        assert e.collective_rpc("rank_value", args=(2,), timeout=1e12) == [20 + r for r in range(last + 1)]
+        assert not list(tmp_path.iterdir()), "a call of timeout 0 ran"
+    finally:
+        if e is not ex:
+            e.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["mp", "inproc"])
+def test_a_sent_calls_future_cannot_be_cancelled(ex, backend):
+    """Once ``collective_rpc(non_block=True)`` returns, every rank has the call: its
+    future is running, ``cancel()`` says False, and its result comes. Before, the
+    future was pending: ``cancel()`` said True (as ``asyncio.wait_for`` does on a
+    wrapped future's timeout) and the result, computed all the same, was dropped.
+    Sabotage: no ``set_running_or_notify_cancel()`` once the call is sent."""
+    e = ex if backend == "mp" else zbus.Executor(EchoWorker, backend="inproc")
+    try:
+        future = e.collective_rpc("sleep", args=(0.2,), non_block=True)
+        assert future.running() or future.done()
+        assert future.cancel() is False
+        assert future.result(30) == list(range(e.world_size))
+    finally:
+        if e is not ex:
+            e.shutdown()
+
+
+def test_an_inproc_worker_that_fails_to_start_is_a_startup_error():
+    """As with ``mp`` (docs/api.md's example): ``StartupError`` naming the worker's
+    own error. Before, ``inproc`` raised the bare TypeError. Sabotage: no ``try``
+    round ``build_worker`` in ``InprocExecutor``."""
+    with pytest.raises(zbus.StartupError, match="worker rank 0 failed to start: TypeError: .*no_such_arg"):
+        zbus.Executor(EchoWorker, backend="inproc", worker_kwargs={"no_such_arg": 1})
 
 
 def test_import_path_calls(ex):

@@ -12,6 +12,7 @@ import atexit
 import collections
 import concurrent.futures
 import logging
+import operator
 import os
 import queue
 import socket
@@ -221,6 +222,18 @@ def _set_outcome(future: RpcFuture, ok: bool, value: Any) -> None:
         future._call = None
 
 
+def rank_of(value: Any, what: str, world_size: int) -> int:
+    """``value`` as a rank of ``world_size``: a whole number (a numpy one too), not
+    a float or a bool. A call's envelope carries it, and a worker drops an
+    envelope whose rank is anything but an int: no rank would answer."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{what} must be a whole number, got {brief(value)}")
+    rank = operator.index(value)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{what} {rank} outside 0..{world_size - 1}")
+    return rank
+
+
 MAX_METHOD_NAME = 4096  # characters (a call's envelope holds at most protocol.MAX_ENVELOPE bytes)
 
 
@@ -387,15 +400,19 @@ class Executor:
 
     # --- shared machinery ---------------------------------------------------------
 
-    def _check_call(self, method: str | Callable, unique_reply_rank: int | None) -> str:
-        """The method's wire name, once the executor may take the call."""
+    def _check_call(self, method: str | Callable, unique_reply_rank: int | None,
+                    kwargs: dict | None) -> tuple[str, int | None]:
+        """The method's wire name and the rank that answers, once the executor may
+        take the call."""
         if self._closed:
             raise ZbusError("executor is shut down")
         self.failure.raise_if_failed()
         method = method_name(method)
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(f"unique_reply_rank {unique_reply_rank} outside 0..{self.world_size - 1}")
-        return method
+        if kwargs and not all(type(k) is str for k in kwargs):  # (every rank would refuse the call)
+            raise TypeError(f"keyword argument names must be strings: {brief(list(kwargs))}")
+        if unique_reply_rank is not None:
+            unique_reply_rank = rank_of(unique_reply_rank, "unique_reply_rank", self.world_size)
+        return method, unique_reply_rank
 
     def _complete_until(self, call: Call, deadline: float | None) -> None:
         """Read replies until ``call`` is settled; TimeoutError past ``deadline``."""
@@ -451,14 +468,16 @@ class InprocExecutor(Executor):
             raise ValueError("backend='inproc' runs exactly one worker (nproc_per_node=1)")
         super().__init__(worker, **kwargs)
         self._closed = True  # until built: nothing to shut down before (see __del__)
-        if self.output_rank != 0:
-            raise ValueError(f"output_rank {self.output_rank} outside 0..0")
+        self.output_rank = rank_of(self.output_rank, "output_rank", 1)
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                            ("LOCAL_WORLD_SIZE", "1"), ("NODE_RANK", "0")):
             os.environ.setdefault(key, value)
         self._seq = 0
-        self._worker = build_worker({"worker": worker, "kwargs": self.worker_kwargs}, {
-            "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0})
+        try:
+            self._worker = build_worker({"worker": worker, "kwargs": self.worker_kwargs}, {
+                "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0})
+        except Exception as e:  # (as mp says it: the worker's own error, named)
+            raise StartupError(f"worker rank 0 failed to start: {type(e).__name__}: {e}") from e
         self._calls: dict[int, Call] = {}
         self._numbering = threading.Lock()  # callers on several threads: one number each
         self._delivering = threading.local()  # in _deliver, under the reply pipe's lock
@@ -485,21 +504,23 @@ class InprocExecutor(Executor):
                        unique_reply_rank: int | None = None) -> Any:
         from .worker import run_call
 
-        method = self._check_call(method, unique_reply_rank)
+        method, unique_reply_rank = self._check_call(method, unique_reply_rank, kwargs)
+        deadline = deadline_of(timeout)
+        remaining(deadline, method)  # (none left: no rank runs it, as with mp)
         with self._numbering:
             if self._closed:  # (a shutdown settles only the calls numbered before it)
                 raise ZbusError("executor is shut down")
             self._seq += 1
             seq = self._seq
             # a method may return a Future, answered later: a blocking call waits on this one
-            deadline = deadline_of(timeout) if non_block else None
             call = self._calls[seq] = Call(self, seq, [0], unique_reply_rank is not None, RpcFuture(),
-                                           deadline)
+                                           deadline if non_block else None)
+            call.future.set_running_or_notify_cancel()  # (it runs now: too late to cancel)
         result, status = run_call(self._worker, method, args, kwargs, self.allow_import_calls)
         self._replies.send(seq, result, status)
         self._run_completions()
         if not non_block:
-            return call.future.result(timeout)
+            return call.future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if deadline is not None and not call.done():  # its future fails by itself at its timeout
             timer = threading.Timer(max(0.0, deadline - time.monotonic()), call.expire)
             timer.daemon = True
@@ -836,8 +857,7 @@ class MultiprocExecutor(Executor):
         self._closed = True  # until it starts: nothing to shut down before (see __del__)
         self.nnodes = self.settings.nnodes
         self.world_size = self.nnodes * self.nproc_per_node
-        if not 0 <= self.output_rank < self.world_size:
-            raise ValueError(f"output_rank {self.output_rank} outside 0..{self.world_size - 1}")
+        self.output_rank = rank_of(self.output_rank, "output_rank", self.world_size)
         self.worker_path = _worker_path(worker)
         self.master_addr = self.settings.master_addr
         self.join_timeout = join_timeout
@@ -1007,7 +1027,7 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None) -> Any:
-        method = self._check_call(method, unique_reply_rank)
+        method, unique_reply_rank = self._check_call(method, unique_reply_rank, kwargs)
         if self._send_lock.held_here() or (not non_block and self._recv_lock.held_here()):
             raise ZbusError(CALLBACK_WAITS)
         deadline = deadline_of(timeout)
@@ -1037,6 +1057,8 @@ class MultiprocExecutor(Executor):
                 self._pending.append(call)
                 self._publish(frames, deadline, nodes_got)
                 call.sent = True
+                if call.future is not None:  # every rank has it: too late to cancel
+                    call.future.set_running_or_notify_cancel()
                 self.metrics.sent(len(frames[0]) + size)
             except BaseException as e:  # its deadline, a shutdown, Ctrl-C in a wait to send
                 got = ([ring.started > started] if ring is not None else []) + (

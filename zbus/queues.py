@@ -35,7 +35,13 @@ LOCK_PAUSE_S = 0.001  # ... for this long
 
 
 def deadline_of(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
+    """When ``timeout`` seconds from now are over: None for no limit (None, or more
+    than any wait takes: ``inf``); ValueError for NaN, which no clock reaches."""
+    if timeout is None or timeout >= threading.TIMEOUT_MAX:  # (a lock's wait refuses more)
+        return None
+    if timeout != timeout:
+        raise ValueError("a timeout of NaN seconds")
+    return time.monotonic() + timeout
 
 
 def remaining(deadline: float | None, what: str) -> float | None:
