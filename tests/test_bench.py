@@ -182,6 +182,46 @@ def test_a_baseline_whose_worker_is_gone_raises_instead_of_waiting(baseline):
     assert waited < 10, (kind, waited)
 
 
+def test_paired_times_no_call_while_the_baselines_processes_may_still_spin():
+    """With ``gap`` (vLLM's readers spin 1 s after their last message), ``a`` is
+    timed only ``gap`` seconds after ``b``'s last call, its warm-up included.
+    Before, ``a``'s first block followed ``b``'s warm-up at once. Sabotage: no
+    ``rest()`` after the warm-up in ``paired`` -> ``a``'s first timed call 0 s
+    after ``b``'s warm-up."""
+    import time
+
+    from zbus.bench import paired
+
+    calls: list[tuple[str, float]] = []
+    paired(lambda: calls.append(("a", time.monotonic())), lambda: calls.append(("b", time.monotonic())),
+           0.3, block=4, gap=0.2)
+    # a's warm-up (3 calls), b's (3), then the untimed quarter block of a (1 call), then timed ones
+    assert [side for side, _ in calls[:7]] == ["a"] * 3 + ["b"] * 3 + ["a"]
+    last_b = 0.0
+    for i, (side, t) in enumerate(calls):
+        if side == "b":
+            last_b = t
+        elif i >= 6 and calls[i - 1][0] == "b":  # the first of a's calls after b's
+            assert t - last_b >= 0.2, (i, t - last_b)
+
+
+def test_a_bench_keeps_its_own_topology_whatever_the_environment_says(tmp_path):
+    """A compose service's ``ZBUS_NNODES=3`` (and a ``ZBUS_SECRET``) in the
+    environment: the ``rpc`` scenario still runs its local executors and ends.
+    Before, each executor read them and led a 3-node cluster, waiting out its join
+    timeout (300 s) for nodes that never came. And ``--plot`` without a scenario
+    it draws is refused before anything runs (exit 2): it failed after every
+    scenario had run. Sabotage: no ``CLUSTER_SETTINGS`` popped in ``bench.run``."""
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_NNODES="3", ZBUS_SECRET="0123456789abcdef" * 2)
+    r = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "rpc", "--seconds", "0.1"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "rpc" in r.stdout, r.stderr[-2000:]
+    plot = ["--plot", str(tmp_path / "p.svg")]
+    r = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "import", *plot], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "--plot draws" in r.stderr and "running" not in r.stderr, r.stderr
+
+
 def test_paired_ratio_and_its_interval():
     """Block by block, so a slow stretch that hits both sides cancels. Sabotage: the
     ratio of the medians instead (0.37 here: the machine slowed 3x from the baseline's

@@ -91,10 +91,17 @@ def paired(a: Callable[[], None], b: Callable[[], None] | None, seconds: float,
     seconds of rest follow each block of ``b``, for a baseline whose processes
     keep spinning for a while after their last message; ``a`` then runs a quarter
     block untimed, so neither side is timed on a machine just woken from idle."""
+    def rest() -> None:
+        time.sleep(gap)
+        for _ in range(block // 4):  # untimed: a machine idle that long wakes slowly
+            a()
+
     for f in (a, b):
         if f is not None:
             for _ in range(3):
                 f()
+    if b is not None and gap:  # (b's warm-up was its last message too)
+        rest()
     sa: list[float] = []
     sb: list[float] = []
     used = [0.0, 0.0]
@@ -111,9 +118,7 @@ def paired(a: Callable[[], None], b: Callable[[], None] | None, seconds: float,
             if cpu:
                 used[side] += cpu[side]() - c0
             if side == 1 and gap:
-                time.sleep(gap)
-                for _ in range(block // 4):  # untimed: a machine idle that long wakes slowly
-                    a()
+                rest()
     paired.cpu_per_call = (used[0] / max(1, len(sa)), used[1] / max(1, len(sb)))
     return sa, sb
 
@@ -816,6 +821,11 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+CLUSTER_SETTINGS = ("ZBUS_NNODES", "ZBUS_NPROC_PER_NODE", "ZBUS_MASTER_ADDR", "ZBUS_MASTER_PORT",
+                    "ZBUS_NODE_RANK", "ZBUS_SECRET", "ZBUS_SECRET_FILE", "ZBUS_CURVE_DIR", "LWS_GROUP_SIZE",
+                    "LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX")
+
+
 def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = sys.stdout,
         plot_path: str | None = None, from_json: str | None = None, markdown: bool = False) -> int:
     if from_json:  # only redraw from an earlier run
@@ -828,10 +838,19 @@ def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = 
     if unknown:  # (before any runs: a typo must not cost the scenarios before it)
         print(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
+    if plot_path and not set(scenarios) & {"payload", "compare"}:
+        print("--plot draws the 'payload' or 'compare' scenario: run one of them", file=sys.stderr)
+        return 2
     rows: list[Row] = []
-    for name in scenarios:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        rows += SCENARIOS[name](seconds)
+    # Each scenario places and keys its own processes: a cluster's settings in the
+    # environment (a compose service's ZBUS_NNODES, a ZBUS_SECRET) must not change them.
+    saved = {name: os.environ.pop(name) for name in CLUSTER_SETTINGS if name in os.environ}
+    try:
+        for name in scenarios:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            rows += SCENARIOS[name](seconds)
+    finally:
+        os.environ.update(saved)
     print(f"zbus core: {ring.CORE}", file=out)
     print(format_markdown(rows) if markdown else format_table(rows), file=out)
     if json_path:
