@@ -491,6 +491,7 @@ def test_a_rank_timeout_or_keyword_no_call_can_carry_is_refused_before_it_is_sen
             e.collective_rpc("rank_value", args=(1,), timeout=float("nan"))
         with pytest.raises(TypeError, match="keyword argument names must be strings"):
             e.collective_rpc("echo", kwargs={1: 2}, timeout=10)
+        assert e.collective_rpc("echo", kwargs={np.str_("k"): 1}, timeout=10)[0] == ((), {"k": 1})
         with pytest.raises(TypeError, match="output_rank must be a whole number"):
             zbus.Executor(EchoWorker, backend=backend, output_rank=0.0)
         mark = tmp_path / "m"
@@ -521,6 +522,36 @@ def test_a_sent_calls_future_cannot_be_cancelled(ex, backend):
     finally:
         if e is not ex:
             e.shutdown()
+
+
+def test_a_non_blocking_call_failed_as_it_is_sent_returns_its_failed_future(monkeypatch):
+    """Another thread fails the executor (a worker's death, a node lost) while a
+    non-blocking call is being sent, after its ranks got it: the call returns its
+    future, which holds that failure. Before, marking the sent future running
+    raised RuntimeError ("Future in unexpected state") in the caller, in place of
+    the future. Sabotage: ``set_running_or_notify_cancel()`` for ``sent()``."""
+    ex = zbus.Executor(EchoWorker, nproc_per_node=1)
+    publish = ex._publish
+
+    def failed_meanwhile(*args):
+        publish(*args)
+        other = threading.Thread(target=ex.failure.fail, args=(zbus.ExecutorFailedError("lost meanwhile"),))
+        other.start()
+        other.join(10)
+    monkeypatch.setattr(ex, "_publish", failed_meanwhile)
+    try:
+        future = ex.collective_rpc("noop", non_block=True, timeout=30)
+        assert "lost meanwhile" in str(future.exception(10))
+    finally:
+        ex.shutdown()
+
+
+def test_a_metrics_port_of_0_is_none():
+    """``metrics_port=0`` (as ``int(os.getenv("PORT", 0))`` gives it) serves no
+    metrics, as before settings were parsed by name. Sabotage: ``metrics_port``
+    passed as it is to ``typed_setting`` -> "outside 1..65535"."""
+    with zbus.Executor(EchoWorker, nproc_per_node=1, metrics_port=0) as ex:
+        assert ex.metrics_port is None and ex.collective_rpc("noop", timeout=30) == [None]
 
 
 def test_an_inproc_worker_that_fails_to_start_is_a_startup_error():

@@ -1853,6 +1853,7 @@ def test_a_send_whose_rest_cannot_be_copied_ends_the_ring_and_keeps_none_of_the_
     finally:
         reader.close()
         writer.close()
+    assert writer.aborted is False  # (closed here: nothing of it is read any more)
 
 
 def test_a_ctrl_c_as_a_message_is_announced_leaves_no_reader_asleep(monkeypatch):

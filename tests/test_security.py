@@ -542,6 +542,18 @@ def test_zbus_status_says_in_one_line_what_it_cannot_read_and_prints_no_escape()
     assert "\x1b" not in shown.stdout and "Traceback" not in wrong.stderr + old.stderr + shown.stderr
 
 
+def test_a_metrics_port_without_prometheus_client_is_an_import_error_said_in_one_line(monkeypatch):
+    """Without ``prometheus-client`` the metrics server is refused with an error
+    that is an ImportError (as documented before) and a ZbusError (the CLI says
+    it in one line). Sabotage: a plain SettingError -> no ImportError."""
+    from zbus import metrics
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # (import fails)
+    with pytest.raises(ImportError, match="needs prometheus-client") as e:
+        metrics.serve_prometheus(metrics.Metrics(), free_port_pair(), "127.0.0.1")
+    assert isinstance(e.value, zbus.ZbusError)
+
+
 def test_follower_exposes_no_port():
     """After the join, with its workers running and serving calls, no process of the
     follower's tree (the agent and its workers) listens on any TCP port.

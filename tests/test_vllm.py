@@ -361,7 +361,8 @@ def test_a_vllm_enum_or_dtype_sent_a_tensor_or_a_long_text_is_refused_briefly(wi
     made the value's whole repr (about 1 MB for the tensor: no dimension is long
     enough for torch to elide), as did the dtype's error (``str`` of it, then cut).
     Sabotage: ``cls(state)`` for enums in ``wire._builder``, or ``str(state)[:40]``
-    in ``_torch_dtype`` (as before) -> a repr made."""
+    in ``_torch_dtype`` (as before) -> a repr made; a scalar value alone taken for
+    an enum's (as a first version did) -> ``FULL_AND_PIECEWISE`` refused."""
     import msgpack
     import torch
     from vllm.sampling_params import RequestOutputKind
@@ -372,8 +373,13 @@ def test_a_vllm_enum_or_dtype_sent_a_tensor_or_a_long_text_is_refused_briefly(wi
     reprs = []
     monkeypatch.setattr(torch.Tensor, "__repr__", lambda t, *a, **k: reprs.append(1) or "<a tensor>")
     tensor = msgpack.ExtType(2, msgpack.packb(["uint8", [2] * 16, [2**i for i in range(15, -1, -1)], 0]))
+    from vllm.config import CUDAGraphMode
+
     name = f"vllm:{RequestOutputKind.__module__}:{RequestOutputKind.__qualname__}"
     assert codec.decode(codec.encode(RequestOutputKind.DELTA)) is RequestOutputKind.DELTA
+    # a tuple of members for a value (vLLM's default CUDA graph mode) still comes back
+    both = CUDAGraphMode.FULL_AND_PIECEWISE
+    assert type(both.value) is tuple and codec.decode(codec.encode(both)) is both
     for state, frames in [(tensor, [bytearray(2**16)]), ("k" * 2**22, [])]:
         for kind in (name, "vllm:dtype"):
             with pytest.raises(CodecError) as e:

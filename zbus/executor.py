@@ -155,6 +155,9 @@ class Call:
         raise again(value)  # (the failure's error may be every pending call's)
 
 
+_PENDING, _RUNNING = concurrent.futures._base.PENDING, concurrent.futures._base.RUNNING
+
+
 class RpcFuture(concurrent.futures.Future):
     """The result of a non-blocking ``collective_rpc``. It completes by itself, so
     ``done()``, ``add_done_callback``, :func:`concurrent.futures.wait` and
@@ -166,6 +169,13 @@ class RpcFuture(concurrent.futures.Future):
     _call: Call | None  # until the call settles
     seq: int  # the call's number
     reply_ranks: list[int]  # the ranks whose replies make the result
+
+    def sent(self) -> None:
+        """Its call reached every rank: running, no longer to be cancelled, unless
+        another thread completed it first (a failure, its deadline)."""
+        with self._condition:
+            if self._state == _PENDING:
+                self._state = _RUNNING
 
     def result(self, timeout: float | None = None) -> Any:
         left = self._complete(deadline_of(timeout))
@@ -408,7 +418,7 @@ class Executor:
             raise ZbusError("executor is shut down")
         self.failure.raise_if_failed()
         method = method_name(method)
-        if kwargs and not all(type(k) is str for k in kwargs):  # (every rank would refuse the call)
+        if kwargs and not all(isinstance(k, str) for k in kwargs):  # (every rank would refuse the call)
             raise TypeError(f"keyword argument names must be strings: {brief(list(kwargs))}")
         if unique_reply_rank is not None:
             unique_reply_rank = rank_of(unique_reply_rank, "unique_reply_rank", self.world_size)
@@ -515,7 +525,7 @@ class InprocExecutor(Executor):
             # a method may return a Future, answered later: a blocking call waits on this one
             call = self._calls[seq] = Call(self, seq, [0], unique_reply_rank is not None, RpcFuture(),
                                            deadline if non_block else None)
-            call.future.set_running_or_notify_cancel()  # (it runs now: too late to cancel)
+            call.future.sent()  # (it runs now: too late to cancel)
         result, status = run_call(self._worker, method, args, kwargs, self.allow_import_calls)
         self._replies.send(seq, result, status)
         self._run_completions()
@@ -868,7 +878,9 @@ class MultiprocExecutor(Executor):
         if self.secret and self.curve_dir:
             raise SettingError("give a cluster secret or a key folder (curve_dir), not both")
         self.insecure = os.environ.get("ZBUS_INSECURE") == "1" if insecure is None else insecure
-        self.metrics_port = typed_setting(int, "metrics_port", metrics_port, None, "ZBUS_METRICS_PORT")
+        # (0 is none, as ``metrics_port=int(os.getenv("PORT", 0))`` means it)
+        self.metrics_port = typed_setting(int, "metrics_port", metrics_port or None, None,
+                                          "ZBUS_METRICS_PORT")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:  # (before any node joins)
             raise SettingError(f"metrics_port {self.metrics_port} outside 1..65535")
         self._metrics_server: Any = None
@@ -1058,7 +1070,7 @@ class MultiprocExecutor(Executor):
                 self._publish(frames, deadline, nodes_got)
                 call.sent = True
                 if call.future is not None:  # every rank has it: too late to cancel
-                    call.future.set_running_or_notify_cancel()
+                    call.future.sent()
                 self.metrics.sent(len(frames[0]) + size)
             except BaseException as e:  # its deadline, a shutdown, Ctrl-C in a wait to send
                 got = ([ring.started > started] if ring is not None else []) + (

@@ -98,6 +98,10 @@ class Metrics:
                     "dropped_by": dict(self.dropped_by)}
 
 
+class MissingDependency(SettingError, ImportError):
+    """A setting that needs a package this environment lacks."""
+
+
 def serve_prometheus(metrics: Metrics, port: int, addr: str, describe: Any = None) -> Any:
     """Expose ``metrics`` on http://addr:port/metrics (needs ``prometheus-client``):
     the server and its thread."""
@@ -110,7 +114,8 @@ def serve_prometheus(metrics: Metrics, port: int, addr: str, describe: Any = Non
             HistogramMetricFamily,
         )
     except ImportError:
-        raise SettingError("metrics_port needs prometheus-client: pip install prometheus-client") from None
+        raise MissingDependency("metrics_port needs prometheus-client: pip install prometheus-client"
+                                ) from None
 
     class Collector:
         def collect(self):  # noqa: ANN202 - prometheus-client's protocol

@@ -177,8 +177,8 @@ class _Ring:
 
     @property
     def aborted(self) -> bool:
-        """Whether the ring was aborted (by any process)."""
-        return bool(self._i[_I_STATE])
+        """Whether the ring was aborted (by any process); False once closed here."""
+        return self._seg._mmap is not None and bool(self._i[_I_STATE])
 
     def _ended(self) -> bool:
         return bool(self._i[_I_CLOSED] or self._i[_I_STATE])

@@ -223,11 +223,20 @@ _AFTER_BUILD: dict[str, Callable[[Any], None]] = {"vllm.config.model:ModelConfig
 
 
 def _member(cls: type, state: Any) -> Any:
-    """The member of the enum ``cls`` whose value is ``state``, a plain value (the
-    enum's own error holds the whole repr of what it is given: a tensor's is 16x it)."""
-    if type(state) not in (int, str, float, bool) or type(state) is str and len(state) > 256:
-        raise CodecError(f"no {cls.__qualname__} has the value {brief(state)}")
-    return cls(state)
+    """The member of the enum ``cls`` whose value is ``state``, found as the enum
+    finds it but refused briefly: the enum's own error holds the whole repr of what
+    it is given (a tensor's is 16x it)."""
+    try:
+        return cls._value2member_map_[state]  # (a tuple of members too: CUDAGraphMode's)
+    except (KeyError, TypeError):  # (TypeError: unhashable, a list)
+        pass
+    for member in cls:  # values that cannot be keys, as Enum searches them
+        try:
+            if type(member.value) is type(state) and member.value == state:
+                return member
+        except Exception:  # noqa: BLE001, S112 - an array's == has no truth value
+            continue
+    raise CodecError(f"no {cls.__qualname__} has the value {brief(state)}")
 
 
 def _torch_device(state: Any) -> Any:
