@@ -212,10 +212,13 @@ def test_a_bench_keeps_its_own_topology_whatever_the_environment_says(tmp_path):
     timeout (300 s) for nodes that never came. And ``--plot`` without a scenario
     it draws is refused before anything runs (exit 2): it failed after every
     scenario had run. Sabotage: no ``CLUSTER_SETTINGS`` popped in ``bench.run``."""
-    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_NNODES="3", ZBUS_SECRET="0123456789abcdef" * 2)
-    r = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "rpc", "--seconds", "0.1"],
+    from zbus.cluster import free_port_pair
+
+    env = dict(os.environ, PYTHONPATH=TEST_PATH, ZBUS_NNODES="3", ZBUS_SECRET="0123456789abcdef" * 2,
+               ZBUS_METRICS_PORT=str(free_port_pair()))  # (curve's two leaders would both bind it)
+    r = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "rpc", "curve", "--seconds", "0.1"],
                        capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0 and "rpc" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0 and "rpc" in r.stdout and "CurveZMQ" in r.stdout, r.stderr[-2000:]
     plot = ["--plot", str(tmp_path / "p.svg")]
     r = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "import", *plot], capture_output=True,
                        text=True, timeout=60, env=env)

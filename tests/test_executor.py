@@ -512,7 +512,7 @@ def test_a_sent_calls_future_cannot_be_cancelled(ex, backend):
     future is running, ``cancel()`` says False, and its result comes. Before, the
     future was pending: ``cancel()`` said True (as ``asyncio.wait_for`` does on a
     wrapped future's timeout) and the result, computed all the same, was dropped.
-    Sabotage: no ``set_running_or_notify_cancel()`` once the call is sent."""
+    Sabotage: no ``future.sent()`` once the call is sent."""
     e = ex if backend == "mp" else zbus.Executor(EchoWorker, backend="inproc")
     try:
         future = e.collective_rpc("sleep", args=(0.2,), non_block=True)
@@ -546,20 +546,34 @@ def test_a_non_blocking_call_failed_as_it_is_sent_returns_its_failed_future(monk
         ex.shutdown()
 
 
-def test_a_metrics_port_of_0_is_none():
+def test_a_metrics_port_of_0_is_none(monkeypatch):
     """``metrics_port=0`` (as ``int(os.getenv("PORT", 0))`` gives it) serves no
-    metrics, as before settings were parsed by name. Sabotage: ``metrics_port``
-    passed as it is to ``typed_setting`` -> "outside 1..65535"."""
-    with zbus.Executor(EchoWorker, nproc_per_node=1, metrics_port=0) as ex:
-        assert ex.metrics_port is None and ex.collective_rpc("noop", timeout=30) == [None]
+    metrics, even with ``ZBUS_METRICS_PORT`` set (an explicit argument wins), and so
+    does ``ZBUS_METRICS_PORT=0``. Before settings were parsed by name, 0 fell back
+    to the variable, whose "0" was refused. Sabotage: no ``or None`` after
+    ``typed_setting`` -> "outside 1..65535"; ``metrics_port or None`` given to it
+    (a first version) -> the variable's port served."""
+    from zbus.cluster import free_port_pair
+
+    for argument, variable in ((0, str(free_port_pair())), (None, "0")):
+        monkeypatch.setenv("ZBUS_METRICS_PORT", variable)
+        with zbus.Executor(EchoWorker, nproc_per_node=1, metrics_port=argument) as ex:
+            assert ex.metrics_port is None and ex.collective_rpc("noop", timeout=30) == [None]
 
 
 def test_an_inproc_worker_that_fails_to_start_is_a_startup_error():
     """As with ``mp`` (docs/api.md's example): ``StartupError`` naming the worker's
-    own error. Before, ``inproc`` raised the bare TypeError. Sabotage: no ``try``
-    round ``build_worker`` in ``InprocExecutor``."""
+    own error; what is no worker at all is refused as ``mp`` refuses it, a
+    TypeError or ValueError. Before, ``inproc`` raised the bare TypeError. Sabotage:
+    no ``try`` round ``build_worker`` in ``InprocExecutor``; no ``_check_spec``
+    there (as a first version) -> StartupError for ``int``."""
     with pytest.raises(zbus.StartupError, match="worker rank 0 failed to start: TypeError: .*no_such_arg"):
         zbus.Executor(EchoWorker, backend="inproc", worker_kwargs={"no_such_arg": 1})
+    for backend in ("mp", "inproc"):
+        with pytest.raises(TypeError, match="must be a zbus.Worker subclass"):
+            zbus.Executor(int, backend=backend)
+        with pytest.raises(ValueError, match="give a class or an import path"):
+            zbus.Executor("workers.EchoWorker", backend=backend)
 
 
 def test_import_path_calls(ex):

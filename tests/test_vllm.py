@@ -362,7 +362,8 @@ def test_a_vllm_enum_or_dtype_sent_a_tensor_or_a_long_text_is_refused_briefly(wi
     enough for torch to elide), as did the dtype's error (``str`` of it, then cut).
     Sabotage: ``cls(state)`` for enums in ``wire._builder``, or ``str(state)[:40]``
     in ``_torch_dtype`` (as before) -> a repr made; a scalar value alone taken for
-    an enum's (as a first version did) -> ``FULL_AND_PIECEWISE`` refused."""
+    an enum's (as a first version did) -> ``FULL_AND_PIECEWISE`` refused; no
+    ``cls(state)`` for a scalar found no member's (a second) -> the Flag refused."""
     import msgpack
     import torch
     from vllm.sampling_params import RequestOutputKind
@@ -377,9 +378,25 @@ def test_a_vllm_enum_or_dtype_sent_a_tensor_or_a_long_text_is_refused_briefly(wi
 
     name = f"vllm:{RequestOutputKind.__module__}:{RequestOutputKind.__qualname__}"
     assert codec.decode(codec.encode(RequestOutputKind.DELTA)) is RequestOutputKind.DELTA
-    # a tuple of members for a value (vLLM's default CUDA graph mode) still comes back
+    # a tuple of members for a value (vLLM's default CUDA graph mode) still comes back,
+    # and so does a Flag's composite value, which is no member's
     both = CUDAGraphMode.FULL_AND_PIECEWISE
     assert type(both.value) is tuple and codec.decode(codec.encode(both)) is both
+    import enum
+    import types
+
+    module = types.ModuleType("vllm.zbus_test_flags")
+
+    class Access(enum.Flag):
+        READ = 1
+        WRITE = 2
+    Access.__module__, Access.__qualname__ = module.__name__, "Access"
+    module.Access = Access
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    # (as a fresh worker gets it: the composite never made here before it is decoded)
+    sent = msgpack.packb([f"vllm:{module.__name__}:Access", 3])
+    composite = codec.decode([msgpack.packb(msgpack.ExtType(7, sent))])
+    assert composite == Access.READ | Access.WRITE
     for state, frames in [(tensor, [bytearray(2**16)]), ("k" * 2**22, [])]:
         for kind in (name, "vllm:dtype"):
             with pytest.raises(CodecError) as e:
@@ -419,9 +436,10 @@ def test_a_ctrl_c_in_a_mapped_futures_function_goes_on(wire):
     """A Ctrl-C raised as a step's output is mapped (vLLM's aggregation, run by the
     thread that completes the step's future) fails the mapped future and goes on in
     that thread, as zbus lets a callback's Ctrl-C go on. Before, it was kept in the
-    mapped future alone, which vLLM reads only at times: lost. Sabotage: one
-    ``except BaseException`` that only sets the exception in ``_mapped`` -> no
-    KeyboardInterrupt."""
+    mapped future alone, which vLLM reads only at times: lost. The mapped future is
+    running, as its step's, so ``cancel()`` says False. Sabotage: one ``except
+    BaseException`` that only sets the exception in ``_mapped`` -> no
+    KeyboardInterrupt; no ``set_running_or_notify_cancel()`` there -> cancelled."""
     import concurrent.futures
 
     from zbus.vllm.executor import _mapped
@@ -429,8 +447,9 @@ def test_a_ctrl_c_in_a_mapped_futures_function_goes_on(wire):
     def interrupted(_):
         raise KeyboardInterrupt
 
-    step = concurrent.futures.Future()
+    step = concurrent.futures.Future()  # (a step's RpcFuture is running once returned)
     out = _mapped(step, interrupted)
+    assert out.cancel() is False  # (as the step's own: its call is sent)
     with pytest.raises(KeyboardInterrupt):
         step.set_result(1)
     assert isinstance(out.exception(0), KeyboardInterrupt)

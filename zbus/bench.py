@@ -822,8 +822,9 @@ def format_table(rows: list[Row]) -> str:
 
 
 CLUSTER_SETTINGS = ("ZBUS_NNODES", "ZBUS_NPROC_PER_NODE", "ZBUS_MASTER_ADDR", "ZBUS_MASTER_PORT",
-                    "ZBUS_NODE_RANK", "ZBUS_SECRET", "ZBUS_SECRET_FILE", "ZBUS_CURVE_DIR", "LWS_GROUP_SIZE",
-                    "LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX")
+                    "ZBUS_NODE_RANK", "ZBUS_SECRET", "ZBUS_SECRET_FILE", "ZBUS_CURVE_DIR",
+                    "ZBUS_METRICS_PORT", "ZBUS_ADVERTISE_ADDR", "LWS_GROUP_SIZE", "LWS_LEADER_ADDRESS",
+                    "LWS_WORKER_INDEX")
 
 
 def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = sys.stdout,

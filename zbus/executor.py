@@ -288,13 +288,19 @@ def _resolve_backend(backend: str) -> type[Executor]:
     return cls
 
 
-def _worker_path(worker: WorkerSpec) -> str:
+def _check_spec(worker: WorkerSpec) -> None:
+    """What either backend refuses before starting anything."""
     if isinstance(worker, str):
         if ":" not in worker:
             raise ValueError(f"worker {worker!r}: give a class or an import path 'pkg.mod:Cls'")
-        return worker
-    if not (isinstance(worker, type) and issubclass(worker, Worker)):
+    elif not (isinstance(worker, type) and issubclass(worker, Worker)):
         raise TypeError(f"worker must be a zbus.Worker subclass or 'pkg.mod:Cls', got {worker!r}")
+
+
+def _worker_path(worker: WorkerSpec) -> str:
+    _check_spec(worker)
+    if isinstance(worker, str):
+        return worker
     if worker.__module__ == "__main__":
         raise TypeError(
             f"worker class {worker.__qualname__} is defined in the driver script (__main__); "
@@ -483,6 +489,7 @@ class InprocExecutor(Executor):
                            ("LOCAL_WORLD_SIZE", "1"), ("NODE_RANK", "0")):
             os.environ.setdefault(key, value)
         self._seq = 0
+        _check_spec(worker)  # (as mp: a TypeError or ValueError; what fails in the worker, StartupError)
         try:
             self._worker = build_worker({"worker": worker, "kwargs": self.worker_kwargs}, {
                 "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "node_rank": 0})
@@ -879,8 +886,8 @@ class MultiprocExecutor(Executor):
             raise SettingError("give a cluster secret or a key folder (curve_dir), not both")
         self.insecure = os.environ.get("ZBUS_INSECURE") == "1" if insecure is None else insecure
         # (0 is none, as ``metrics_port=int(os.getenv("PORT", 0))`` means it)
-        self.metrics_port = typed_setting(int, "metrics_port", metrics_port or None, None,
-                                          "ZBUS_METRICS_PORT")
+        port = typed_setting(int, "metrics_port", metrics_port, None, "ZBUS_METRICS_PORT")
+        self.metrics_port = port or None
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:  # (before any node joins)
             raise SettingError(f"metrics_port {self.metrics_port} outside 1..65535")
         self._metrics_server: Any = None

@@ -211,6 +211,7 @@ def _step_timeout() -> float:
 def _mapped(future: concurrent.futures.Future, func: Callable[[Any], Any]) -> concurrent.futures.Future:
     """A future of ``func(future's result)``, completed when ``future`` is."""
     out: concurrent.futures.Future = concurrent.futures.Future()
+    out.set_running_or_notify_cancel()  # (as ``future``: its call is sent, too late to cancel)
 
     def done(f: concurrent.futures.Future) -> None:
         try:

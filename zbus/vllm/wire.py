@@ -236,6 +236,8 @@ def _member(cls: type, state: Any) -> Any:
                 return member
         except Exception:  # noqa: BLE001, S112 - an array's == has no truth value
             continue
+    if type(state) in (int, str, float, bool):  # a Flag's composite, an enum's own _missing_:
+        return cls(state)  # (its error's repr is the size of what came)
     raise CodecError(f"no {cls.__qualname__} has the value {brief(state)}")
 
 
