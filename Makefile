@@ -10,8 +10,9 @@ PY := $(VENV)/bin/python
 # torch is pinned to the CPU build the project is tested with; it is installed
 # first so nothing later resolves a (much larger) CUDA build.
 TORCH := torch==2.13.0
-# Machines of this project keep the CPU wheel of that torch in /opt/wheels.
-FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+# Machines of this project keep the CPU wheel of that torch in /opt/wheels; elsewhere
+# PyTorch's CPU index has it (as 2.13.0+cpu, which vLLM's CPU build asks for).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu)
 
 # vLLM's CPU build, in a venv of its own, for the vLLM tests, `zbus bench vllm` and
 # `zbus bench --compare`. It takes the torch installed first; the torchvision,

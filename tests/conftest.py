@@ -3,6 +3,7 @@ process and no socket file behind. Tests import worker classes from ``tests/work
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -228,17 +229,34 @@ def seconds_to_ctrl_c(action, after: float = 0.2) -> float:
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGALRM, interrupt)
+    with borrowed_alarm(interrupt):
+        start = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, after)
+        try:
+            action()
+        except KeyboardInterrupt:
+            return time.monotonic() - start
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    raise AssertionError("it ended without the Ctrl-C")
+
+
+@contextlib.contextmanager
+def borrowed_alarm(handler):
+    """SIGALRM handled by ``handler`` within, its timer free to set; then the
+    previous handler and what was left of the previous timer back. pytest-timeout
+    times each test with this timer: a helper that set it to 0 and left would take
+    the test's timeout away for the rest of it."""
+    left, _ = signal.getitimer(signal.ITIMER_REAL)
     start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, after)
+    previous = signal.signal(signal.SIGALRM, handler)
     try:
-        action()
-    except KeyboardInterrupt:
-        return time.monotonic() - start
+        yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    raise AssertionError("it ended without the Ctrl-C")
+        if left:  # (an overdue timer fires at once, as it would have)
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, left - (time.monotonic() - start)))
 
 
 def next_line(proc: subprocess.Popen, deadline: float) -> str:

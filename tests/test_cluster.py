@@ -1032,7 +1032,10 @@ def test_a_ctrl_c_in_the_leaders_close_still_frees_its_ports():
         ex = leader(port, nnodes=2, liveness_s=5.0, join_timeout=60)
         assert len(ex.collective_rpc("echo", timeout=30)) == 2
 
-        def ctrl_c() -> None:
+        reject_joining = ex._leader.membership.reject_joining
+
+        def ctrl_c() -> None:  # once: a Ctrl-C let out of a test would end the whole session
+            ex._leader.membership.reject_joining = reject_joining
             raise KeyboardInterrupt
 
         ex._leader.membership.reject_joining = ctrl_c  # (the step after the I/O thread's end)

@@ -4,15 +4,19 @@ nor count another run's segments, and must count a leak."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 
 import psutil
+import pytest
 from conftest import (
     describe,
     foreign_segments,
     leftover_processes,
     live_children,
     marked_processes,
+    seconds_to_ctrl_c,
     spawn_python,
     wait_until,
 )
@@ -95,3 +99,17 @@ def test_segments_of_another_live_run_are_not_counted_but_leaks_are():
     outsider = psutil.Process(1).pid  # alive, and no descendant of this process
     names = {f"zbus-1-{outsider}-1-0", f"zbus-1-{dead}-1-0", f"zbus-1-{os.getpid()}-1-0"}
     assert foreign_segments(names) == {f"zbus-1-{outsider}-1-0"}
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_helper_gives_the_test_its_timeout_back():
+    """``seconds_to_ctrl_c`` (and the ring's ``Interrupts``) borrow the SIGALRM
+    timer that pytest-timeout times the test with. Sabotage: end the borrowing with
+    ``setitimer(ITIMER_REAL, 0)`` alone, as before: no timer is left, and a test
+    that hung after its Ctrl-C ran until CI's own limit."""
+    before = signal.getitimer(signal.ITIMER_REAL)[0]
+    handler = signal.getsignal(signal.SIGALRM)
+    assert 0 < before <= 60
+    seconds_to_ctrl_c(lambda: time.sleep(5), 0.05)
+    assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] < before
+    assert signal.getsignal(signal.SIGALRM) is handler

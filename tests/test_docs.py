@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -48,3 +50,23 @@ def test_every_test_the_docs_name_exists(path, name, docs):
     reference fails here."""
     assert os.path.isfile(os.path.join(ROOT, path)), f"{docs} name {path}, which does not exist"
     assert name in functions_of(path), f"{docs} name {path}::{name}, which {path} does not define"
+
+
+@pytest.mark.timeout(120)
+def test_the_readmes_driver_runs_as_written(tmp_path):
+    """README's two files, as they stand there, run and give what its comments say.
+    Sabotage: the worker class in the driver's own file, as the README once had
+    it -> the executor refuses a class defined in ``__main__``."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("## A driver", 1)[1]
+    blocks = re.findall(r"```python\n# (\w+\.py)[^\n]*\n(.*?)```", section, re.S)
+    assert [name for name, _ in blocks] == ["mymodel.py", "driver.py"]
+    for name, code in blocks:
+        (tmp_path / name).write_text(code)
+    with open(tmp_path / "driver.py", "a") as f:
+        f.write("print(y, fut.result(timeout=10))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    out = subprocess.run([sys.executable, "driver.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "6 [8, 8]", out.stdout

@@ -2303,7 +2303,8 @@ def test_ctrl_c_in_a_shutdown_still_ends_the_workers_fails_the_calls_and_frees_t
     if where == "twice":
         kill = ex._workers.kill
 
-        def kill_then_ctrl_c() -> None:
+        def kill_then_ctrl_c() -> None:  # once: a Ctrl-C let out of a test ends the session
+            ex._workers.kill = kill
             kill()
             raise KeyboardInterrupt
 

@@ -18,7 +18,9 @@ from conftest import TEST_PATH, next_line
 from zbus.netns import NetnsCluster, unavailable
 
 REASON = unavailable()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no namespaces: {REASON}")]
+# the tests' own waits (up to 240 s for a driver's answer) run out before the test's timeout
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no namespaces: {REASON}"),
+              pytest.mark.timeout(420)]
 
 LIVENESS = 3.0  # the drivers here use 3 s; compose's default is 10 s
 
@@ -51,16 +53,28 @@ def cluster():
         assert not left, f"nodes left processes or shared memory: {left}"
 
 
-def start_followers(c: NetnsCluster, ranked: bool = True) -> list:
+def start_followers(c: NetnsCluster, ranked: bool = True, logged: int | None = None) -> list:
     """Nodes 1 and 2 run their compose services' command and environment; with
-    ``ranked=False`` without ZBUS_NODE_RANK, so the leader ranks them in join order."""
+    ``ranked=False`` without ZBUS_NODE_RANK, so the leader ranks them in join order.
+    Node ``logged``'s log goes to its stdout, a pipe (read it with ``next_line``)."""
     procs = []
     for node in c.nodes[1:]:
         argv, env = compose.service(node.name)
         if not ranked:  # keys derived from ZBUS_SECRET need a rank: this cluster runs without
             del env["ZBUS_NODE_RANK"], env["ZBUS_SECRET"]
-        procs.append(node.start(argv, env=dict(env, PYTHONPATH=TEST_PATH, ZBUS_ALLOW_WORKERS="workers")))
+        env.update(PYTHONPATH=TEST_PATH, ZBUS_ALLOW_WORKERS="workers")
+        log = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(node.start(argv, env=env, **(log if node.index == logged else {})))
     return procs
+
+
+def logged_line(proc, text: str, timeout: float) -> str:
+    """The next line of ``proc``'s log that holds ``text``, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (line := next_line(proc, deadline)) and text not in line:
+        pass
+    assert line, f"ended ({proc.wait(10)}) without logging {text!r}"
+    return line
 
 
 def driver(c: NetnsCluster, scenario: str, keyed: bool = True):
@@ -131,7 +145,7 @@ def test_relay_sends_one_copy_per_follower_node(cluster):
 
 @pytest.mark.parametrize("fault", ["sigkill_agent", "cut_link"])
 def test_lost_node_raises_node_lost_within_the_limit(cluster, fault):
-    followers = start_followers(cluster)
+    followers = start_followers(cluster, logged=2)
     proc = driver(cluster, "lost")
     assert read_json(proc)["ready"]
     t0 = time.monotonic()
@@ -167,7 +181,7 @@ def test_a_death_report_lost_in_a_reset_connection_is_sent_again(cluster):
     return, not wait for the long call. Sabotage: the agent sends each death
     once (no ``died`` again with the heartbeats) → the driver's call waits out
     its 60 s sleep and gives no output in time."""
-    followers = start_followers(cluster)
+    followers = start_followers(cluster, logged=2)
     proc = driver(cluster, "lost")
     assert read_json(proc)["ready"]
     node2 = cluster.nodes[2]
@@ -179,10 +193,12 @@ def test_a_death_report_lost_in_a_reset_connection_is_sent_again(cluster):
     node2.link(up=False)
     worker.kill()
     worker.wait(10)
-    time.sleep(0.5)  # the agent saw the death and sent its report into the dead link
+    logged_line(followers[1], "exited", 10)  # the agent saw the death: it reports it next
+    time.sleep(0.2)  # (the report goes from ZeroMQ's queue into the dead link's socket)
     out = subprocess.run(["ip", "netns", "exec", node2.ns, "ss", "-K", "-t", "-n", "dst",
                           cluster.nodes[0].address], capture_output=True, text=True, timeout=10,
                          check=True).stdout
+    assert out.count(cluster.nodes[0].address) >= 1, f"ss -K killed no connection: {out!r}"
     node2.link(up=True)
     up = time.monotonic()
     r = read_json(proc, timeout=LIVENESS * 3)

@@ -20,6 +20,7 @@ import psutil
 import pytest
 from conftest import (
     TEST_PATH,
+    borrowed_alarm,
     end_process,
     own_segments,
     seconds_to_ctrl_c,
@@ -1747,12 +1748,13 @@ class Interrupts:
         self._rng = random.Random(7)
 
     def __enter__(self) -> Interrupts:
-        self._old = signal.signal(signal.SIGALRM, self._handle)
+        self._alarm = borrowed_alarm(self._handle)
+        self._alarm.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.disarm()
-        signal.signal(signal.SIGALRM, self._old)
+        self.armed = False
+        self._alarm.__exit__(*exc)
 
     def _handle(self, signum, frame) -> None:
         if self.armed:
