@@ -30,9 +30,11 @@ from conftest import (
 from workers import EchoWorker
 
 import zbus
-from zbus import protocol
+from zbus import codec, protocol
 from zbus.config import usable_cores
 from zbus.ring import RingReader
+
+MiB = 2**20
 
 
 @pytest.fixture(scope="module")
@@ -263,15 +265,21 @@ def test_async_results_come_in_order_without_blocking_the_next_call(ex):
     assert time.monotonic() - t0 >= 0.4  # the fast reply queued behind the slow one
 
 
-FORKED_CHILD_SHUTS_DOWN = """
+FORKED_CHILD = """
 import os, sys
 import workers, zbus
 
 with zbus.Executor(workers.EchoWorker, nproc_per_node=2) as ex:
     pid = os.fork()
-    if pid == 0:  # a child that leaves the with-block (sys.exit, a returning function)
+    if pid == 0:
         try:
-            ex.shutdown()
+            if sys.argv[1] == "shuts down":  # it left the with-block (sys.exit, a returning function)
+                ex.shutdown()
+            else:
+                try:
+                    ex.collective_rpc("echo", args=("child",), timeout=10)
+                except zbus.ZbusError as e:
+                    print("child:", e, flush=True)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
@@ -279,18 +287,42 @@ with zbus.Executor(workers.EchoWorker, nproc_per_node=2) as ex:
 """
 
 
-def test_a_shutdown_in_a_forked_child_leaves_the_parents_executor_serving():
+def test_a_local_reply_over_the_message_limit_is_refused_by_its_worker(monkeypatch):
+    """A local rank's reply over ``ZBUS_MAX_MESSAGE`` (1 MiB for the driver and its
+    workers) fails its call with why, sending nothing: the driver reads no 8 MiB,
+    and serves on. Before, the worker streamed it whole, the driver took an 8 MiB
+    buffer for it (kept in its pool), copied it all, then refused to decode it.
+    Sabotage: no size check in ``ShmSender.put`` -> "cannot decode the reply", and
+    the driver's pool holds the 8 MiB."""
+    monkeypatch.setattr(codec, "MAX_MESSAGE", MiB)  # (the driver's, read at import)
+    with zbus.Executor(EchoWorker, nproc_per_node=1, env={"ZBUS_MAX_MESSAGE": "1M"}) as ex:
+        with pytest.raises(zbus.RemoteError, match=r"a message of 83886\d\d bytes is over the 1048576 bytes "
+                                                   r"the driver takes \(ZBUS_MAX_MESSAGE\)"):
+            ex.collective_rpc("zeros", args=(8 * MiB,), timeout=30)
+        assert max(map(len, ex._receivers[0].ring._pool._buffers), default=0) < MiB
+        assert ex.collective_rpc("echo", args=(1,), timeout=30) == [((1,), {})]
+
+
+@pytest.mark.parametrize("child", ["shuts down", "calls"])
+def test_a_forked_child_leaves_the_parents_executor_serving(child):
     """A process forked from the driver shuts its copy of the executor down (it
-    left a ``with`` block, say): the parent's workers serve on. Before, the copy
-    sent STOP into the parent's ring, told its monitor to stop and closed the
-    rings: the parent's next call failed. Sabotage: no pid check in
-    ``MultiprocExecutor.shutdown`` -> the parent's call fails."""
-    proc = spawn_python(FORKED_CHILD_SHUTS_DOWN, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    left a ``with`` block, say), or calls it: the parent's workers serve on, and
+    its next call gets its own answers. Before, the copy's shutdown sent STOP into
+    the parent's ring, told its monitor to stop and closed the rings: the parent's
+    next call failed; the copy's call went through the parent's ring as the
+    parent's next call number, and the parent's next call returned the child's
+    answers (its own never reached a worker). Sabotage: no pid check in
+    ``MultiprocExecutor.shutdown`` -> the parent's call fails; none in its
+    ``collective_rpc`` -> the parent's call returns ``("child",)``."""
+    proc = spawn_python(FORKED_CHILD, child, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=90)
     finally:
         end_process(proc)
-    assert proc.returncode == 0 and out.splitlines() == ["[((1,), {}), ((1,), {})]"], (out, err[-2000:])
+    said = ["child: this executor belongs to the process that made it; a process forked from it "
+            "cannot call its workers"] if child == "calls" else []
+    assert proc.returncode == 0, err[-2000:]
+    assert out.splitlines() == [*said, "[((1,), {}), ((1,), {})]"], (out, err[-2000:])
 
 
 REAPER_REFUSED_ONCE = """

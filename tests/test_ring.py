@@ -34,7 +34,7 @@ import zbus
 from zbus import ring, shm
 from zbus.config import RingGeometry, WaitPolicy
 from zbus.errors import Cancelled, RingClosed, ShmSpaceError
-from zbus.ring import RingReader, RingWriter
+from zbus.ring import BufferPool, RingReader, RingWriter
 
 # A wait slice far beyond any test's timeout: a lost wake-up would hang the test
 # (and fail it by timeout) instead of being rescued by a periodic re-check.
@@ -1052,14 +1052,15 @@ def test_each_end_waits_by_the_policy_it_was_given():
 def test_buffer_pool_sizes_reuses_and_drops_its_buffers():
     """A receive buffer is a whole number of steps (256 KiB, or 1/16 of the size's
     power of two above that), reused for any message it fits once no view of it is
-    left, and at most KEEP of them (KEEP_BYTES in all, the largest alone may pass
-    it) are kept, the smallest dropped first. Sabotage: ``n <= MIN_BYTES`` (a
+    left, and at most KEEP of them (KEEP_BYTES in all: one larger is not kept) are
+    kept, the smallest dropped first. Before, the largest was always kept, a 2 GiB
+    reply's buffer for the process's life. Sabotage: ``n <= MIN_BYTES`` (a
     256 KiB buffer not pooled); ``len(b) > n`` (an exact fit not reused), ``best =
     None``, ``_exported`` always True (nothing reused) or shrinking the buffer
     (``del b[-2:]``); the step ``1 >> ...``, ``2 << ...``, ``+ 4`` or ``- 5``;
     rounding ``n + step + 1`` or ``n + step - 2``; eviction with ``and``, ``>= KEEP``,
-    ``> 1 or``, ``>= 1``, ``> 2``, ``>= KEEP_BYTES``, or by content (``min(...)`` with
-    no ``key=len``) → fails."""
+    ``>= KEEP_BYTES``, every buffer pooled (as before), or by content (``min(...)``
+    with no ``key=len``) → fails."""
     from zbus.ring import BufferPool
 
     MIN = BufferPool.MIN_BYTES
@@ -1085,11 +1086,11 @@ def test_buffer_pool_sizes_reuses_and_drops_its_buffers():
     assert sorted(map(len, pool._buffers)) == [MIN, 2 * MIN, 3 * MIN, 4 * MIN]  # 10 * MIN: kept
     held.append(pool.take(5 * MIN))  # a fifth: the smallest go (one for KEEP, two for KEEP_BYTES)
     assert sorted(map(len, pool._buffers)) == [4 * MIN, 5 * MIN]
-    held.append(pool.take(20 * MIN))  # larger than KEEP_BYTES alone: kept, alone
-    assert sorted(map(len, pool._buffers)) == [20 * MIN]
     del held
-    small = pool.take(MIN)  # the one kept fits: reused, though far larger
-    assert small.obj is pool._buffers[0]
+    small = pool.take(MIN)  # one kept fits: reused, though larger
+    assert small.obj is pool._buffers[0] and len(small.obj) == 4 * MIN
+    big = pool.take(20 * MIN)  # larger than KEEP_BYTES alone: not kept
+    assert len(big) == 20 * MIN and sorted(map(len, pool._buffers)) == [4 * MIN, 5 * MIN]
 
 
 # --- the writer's end, in this process -------------------------------------------
@@ -1856,6 +1857,36 @@ def test_a_send_whose_rest_cannot_be_copied_ends_the_ring_and_keeps_none_of_the_
         reader.close()
         writer.close()
     assert writer.aborted is False  # (closed here: nothing of it is read any more)
+
+
+def test_a_message_a_reader_has_no_memory_for_is_skipped_whole():
+    """A message of 5 chunks whose buffer the reader cannot have (MemoryError: a
+    limit on the process's memory) fails that receive, saying so, and the next
+    receive gets the next message. Before, one chunk was dropped as corrupt and
+    the next 4 were read as messages of their own: garbage, errors, or a reply to
+    the wrong call. Sabotage: ``MemoryError`` back among the sizes no message has
+    (``_dropped``) -> the message is dropped as a corrupt chunk, not skipped."""
+    writer = RingWriter.create(1, RingGeometry(65536, 16), WaitPolicy(0, 0, 600))
+    reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 0, 600))
+    take = reader._pool.take
+
+    def no_memory(n):
+        if n >= BufferPool.MIN_BYTES:
+            raise MemoryError
+        return take(n)
+    try:
+        writer.send([b"x" * 300_000], timeout=5)
+        writer.send([b"next", b"one"], timeout=5)
+        reader._pool.take = no_memory
+        with pytest.raises(zbus.CodecError, match=r"a message of 3000\d\d bytes dropped: no memory for it"):
+            reader.recv(timeout=5)
+        assert [bytes(f) for f in reader.recv(timeout=5)] == [b"next", b"one"]
+        reader._pool.take = take
+        writer.send([b"y" * 300_000], timeout=5)
+        assert [bytes(f) for f in reader.recv(timeout=5)] == [b"y" * 300_000]
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_a_ctrl_c_as_a_message_is_announced_leaves_no_reader_asleep(monkeypatch):

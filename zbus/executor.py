@@ -1046,6 +1046,9 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None) -> Any:
+        if os.getpid() != self._pid:  # its rings' positions are copies: it would take the parent's replies
+            raise ZbusError("this executor belongs to the process that made it; a process forked "
+                            "from it cannot call its workers")
         method, unique_reply_rank = self._check_call(method, unique_reply_rank, kwargs)
         if self._send_lock.held_here() or (not non_block and self._recv_lock.held_here()):
             raise ZbusError(CALLBACK_WAITS)

@@ -353,7 +353,15 @@ class ShmSender:
         self.ring = RingWriter.attach(handle, policy)
 
     def put(self, obj: Any, timeout: float | None = None) -> None:
-        self.ring.send(codec.encode(obj), timeout)
+        """Send one message; CodecError, sending nothing, if it is over
+        ``ZBUS_MAX_MESSAGE``, which this node's driver shares (it would read it
+        whole, then refuse it)."""
+        frames = codec.encode(obj)
+        size = sum(memoryview(f).nbytes for f in frames)
+        if size > codec.MAX_MESSAGE:
+            raise CodecError(f"a message of {size} bytes is over the {codec.MAX_MESSAGE} bytes the "
+                             "driver takes (ZBUS_MAX_MESSAGE)")
+        self.ring.send(frames, timeout)
 
     def close(self) -> None:
         self.ring.close(unlink=False)

@@ -469,7 +469,8 @@ class RingReader(_Ring):
         self._flag = off // 4 + 2
         self._detached = off // 4 + 3
         self._pos = self._q[self._rseq_w]
-        self._partial: tuple[memoryview, int] | None = None  # a long message, as far as it is read
+        # a long message, as far as it is read: (its buffer, None where it is skipped; bytes read; size)
+        self._partial: tuple[memoryview | None, int, int] | None = None
         self._taken: list[memoryview] | None = None  # a small one read, its release cut short
         self._pool = BufferPool()
         self._buf = seg.buf
@@ -605,27 +606,34 @@ class RingReader(_Ring):
                     if frames is not None:
                         return frames
             take = min(cb, total)
+            out: memoryview | None
             try:
                 if total >= 1 << 62:  # (rounded up in the pool, C's ssize_t would wrap it)
                     raise OverflowError("larger than any message")
                 out = self._pool.take(total)
-            except (MemoryError, OverflowError, OSError, ValueError) as e:  # a size no message has
+            except MemoryError:  # no room for it here: read past it whole, not into it
+                out = None
+            except (OverflowError, OSError, ValueError) as e:  # a size no message has
                 raise self._dropped(ValueError(f"its size {total}: {type(e).__name__}")) from None
-            out[:take] = buf[pos:pos + take]
-            self._pos, self._partial = self._pos + 1, (out, take)  # (together: see below)
-        out, got = self._partial
+            if out is not None:
+                out[:take] = buf[pos:pos + take]
+            self._pos, self._partial = self._pos + 1, (out, take, total)  # (together: see below)
+        out, got, total = self._partial
         self._give_back()  # (the chunk just read; at a carry-on, a release cut short)
-        total = len(out)
         while got < total:
             pos = self._next_chunk(deadline, cancel)
             take = min(cb, total - got)
-            out[got:got + take] = buf[pos:pos + take]
+            if out is not None:
+                out[got:got + take] = buf[pos:pos + take]
             got += take
             # The chunk taken and the part kept move together (no call, no jump
             # between them): whatever raises in this method (a deadline, Ctrl-C)
             # leaves them in step, and the next recv carries on from there.
-            self._pos, self._partial = self._pos + 1, (out, got)
+            self._pos, self._partial = self._pos + 1, (out, got, total)
             self._give_back()
+        if out is None:
+            self._partial = None
+            raise CodecError(f"ring {self.name}: a message of {total} bytes dropped: no memory for it")
         try:
             frames = _split_frames(out)
         except ValueError as e:  # a corrupt message is dropped (a signal's exception keeps it)
@@ -700,7 +708,9 @@ class BufferPool:
     """
 
     MIN_BYTES = 256 * 1024
-    KEEP = 4  # buffers, and at most KEEP_BYTES of them (the smallest are dropped first)
+    # buffers kept, at most KEEP_BYTES of them, the smallest dropped first; one over
+    # KEEP_BYTES is not kept (a reply of gigabytes must not stay for the process's life)
+    KEEP = 4
     KEEP_BYTES = 256 * 2**20
 
     def __init__(self) -> None:
@@ -719,9 +729,9 @@ class BufferPool:
             return memoryview(best)[:n]
         step = max(self.MIN_BYTES, 1 << max(0, n.bit_length() - 4))  # at most ~12 % spare
         b = _uninitialized((n + step - 1) // step * step)
-        self._buffers.append(b)
-        while len(self._buffers) > self.KEEP or (
-                len(self._buffers) > 1 and sum(map(len, self._buffers)) > self.KEEP_BYTES):
+        if len(b) <= self.KEEP_BYTES:
+            self._buffers.append(b)
+        while len(self._buffers) > self.KEEP or sum(map(len, self._buffers)) > self.KEEP_BYTES:
             self._buffers.remove(min(self._buffers, key=len))  # views keep dropped ones alive
         return memoryview(b)[:n]
 
