@@ -20,8 +20,9 @@ def out(**kw) -> None:
 
 
 def executor(worker=workers.EchoWorker, **kw) -> zbus.Executor:
+    kw = {"liveness_s": 3.0, **kw}
     return zbus.Executor(worker, nnodes=3, nproc_per_node=2, master_addr="leader", master_port=PORT,
-                         liveness_s=3.0, join_timeout=60, startup_timeout=120, **kw)
+                         join_timeout=60, startup_timeout=120, **kw)
 
 
 def basic() -> None:
@@ -53,6 +54,19 @@ def relay() -> None:
         ex.collective_rpc("noop", timeout=30)
         sent = psutil.net_io_counters(pernic=True)["eth0"].bytes_sent - before
         out(per_broadcast=sent / n, small_per_broadcast=small / n, payload=len(payload))
+
+
+def big() -> None:
+    """A 64 MiB call on links that take seconds to carry it (the test slows the
+    leader's), with a liveness limit of 1 s."""
+    with executor(liveness_s=1.0) as ex:
+        ex.collective_rpc("noop", timeout=30)
+        start = time.monotonic()
+        try:
+            lens = ex.collective_rpc("tensor_len", args=(b"x" * (64 * 2**20),), timeout=120)
+            out(lens=lens, seconds=time.monotonic() - start)
+        except zbus.ZbusError as e:
+            out(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
 
 
 def lost() -> None:
@@ -207,7 +221,7 @@ def reset(size: int = 50_000, echo: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    {"basic": basic, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip,
+    {"basic": basic, "big": big, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip,
      "hold_busy": lambda: hold(busy=True), "full_ring": full_ring,
      "reset": reset, "reset_big": lambda: reset(size=1_500_000),
      "reset_replies": lambda: reset(size=500_000, echo=True)}[sys.argv[1]]()

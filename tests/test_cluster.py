@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import zlib
 
 import psutil
@@ -799,6 +800,53 @@ def test_a_caller_reading_its_replies_keeps_heartbeats_and_control_messages_serv
             ex.check_health()
             assert ex.collective_rpc("rank_value", args=(3,), timeout=30) == [30, 31]
         assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
+
+
+def test_a_welcome_over_a_nodes_message_limit_fails_the_start_at_once(monkeypatch):
+    """Worker arguments of 2 MiB, a follower whose ``ZBUS_MAX_MESSAGE`` is 1 MiB:
+    the start fails at once, naming the setting. Before, the welcome was sent:
+    ZeroMQ dropped the node's connection at each try, the node joined again, and
+    the start failed after the join timeout, "missing node ranks: [1]". Sabotage:
+    no size check in ``Membership._welcome`` -> StartupError after 20 s naming
+    the missing node rank."""
+    monkeypatch.setenv("ZBUS_MAX_REPLY", "1M")  # (a node refuses a leader that takes larger replies)
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1", env={"ZBUS_MAX_MESSAGE": "1M"})
+    try:
+        start = time.monotonic()
+        too_big = r"the welcome, with the worker's arguments, takes 20\d{5} bytes, over the 1048576 that"
+        with pytest.raises(zbus.StartupError, match=too_big):
+            leader(port, nnodes=2, join_timeout=20, worker_kwargs={"tag": b"x" * (2 * 2**20)})
+        assert time.monotonic() - start < 15
+    finally:
+        end_process(proc)
+
+
+def test_a_failure_as_a_call_is_encoded_sends_it_to_no_node(monkeypatch):
+    """The executor fails after a call passed its check, before its first frame
+    went (a worker's death seen on the monitor thread, say): the call fails with
+    that failure, and no node gets it. Before, the call went to the nodes all the
+    same, ahead of the leader's ``failed``: remote ranks ran a call the local ones
+    never saw. Sabotage: no check of ``cancel`` in ``send_frames`` once the
+    socket is taken -> the leader's record of calls sent moves on."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with leader(port, nnodes=2, join_timeout=60) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            sent = ex._leader.path.calls.last
+            encode = codec.encode
+
+            def failing_as_it_encodes(obj):
+                if obj == (("poison",), {}):
+                    ex.failure.fail(zbus.ZbusError("a failure injected as the call is encoded"))
+                return encode(obj)
+            monkeypatch.setattr(codec, "encode", failing_as_it_encodes)
+            with pytest.raises(zbus.ZbusError, match="injected"):
+                ex.collective_rpc("echo", args=("poison",), timeout=10)
+            assert ex._leader.path.calls.last == sent
     finally:
         end_process(proc)
 
@@ -2133,9 +2181,12 @@ def test_replies_sent_again_are_taken_in_call_order_and_copies_dropped():
 def test_sent_calls_keep_what_a_node_may_lack_and_only_whole_runs_are_sent_again():
     """Copies are dropped once every node has them (a worker's reply or an agent's
     heartbeat says so, never past the calls sent) or past the byte limit, oldest
-    first; a run with a dropped call is not sent again. Sabotage: drop
-    ``min(seq, self.last)`` in ``SentCalls.has`` (a peer names a call not yet
-    sent) -> the next call's copy is forgotten at once and ``since(4)`` is None."""
+    first; a run with a dropped call is not sent again; a call over the limit is
+    not copied at all (before, a call of gigabytes was copied under the socket's
+    lock, then dropped). Sabotage: drop ``min(seq, self.last)`` in
+    ``SentCalls.has`` (a peer names a call not yet sent) -> the next call's copy
+    is forgotten at once and ``since(4)`` is None; copy every call (as before) ->
+    the peak."""
     from zbus.datapath import SentCalls
 
     calls = SentCalls(limit=300)
@@ -2153,6 +2204,17 @@ def test_sent_calls_keep_what_a_node_may_lack_and_only_whole_runs_are_sent_again
     for seq in range(5, 12):  # 51 bytes each: past 300 the oldest go
         calls.add(seq, [b"e", b"z" * 50], [1, 2, 3])
     assert calls.since(6) is None and len(calls.since(7)) == 5  # 5 x 51 bytes: within 300
+    big = bytearray(10**6)  # over the limit: not copied (it would be dropped at once), the rest go too
+    tracemalloc.start()
+    try:
+        calls.add(12, [b"e", big], [1, 2, 3])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10**5, peak
+    assert calls.last == 12 and calls.since(7) is None and calls.since(12) is None
+    calls.add(13, [b"e", b"w" * 50], [1, 2, 3])
+    assert calls.since(13) == [[b"e", b"w" * 50]] and calls.since(12) is None
 
 
 def test_a_call_over_a_nodes_message_limit_is_refused_before_it_is_sent(monkeypatch):

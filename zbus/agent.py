@@ -27,6 +27,7 @@ import zmq
 from . import codec, protocol, ring, shm
 from .cluster import (
     LIVENESS_RANGE_S,
+    SLOWEST_LINK_BYTES_S,
     TOPIC_HEARTBEAT,
     TOPIC_RPC,
     ClusterSettings,
@@ -190,6 +191,7 @@ class NodeAgent:
         self._subscribed = False  # told the leader so: a member from then on
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
+        self._coming: tuple[int, float] | None = None  # a large call announced: (its number, its time)
         self._next_hb = 0.0
         self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self._poll_s = 0.0  # the executor's poll_after_call_s (from the welcome)
@@ -395,7 +397,7 @@ class NodeAgent:
             # (lost calls) the next ask for them and the moment to give up, if to come
             now = time.monotonic()
             gap = [t for t in (self._gap["ask"], self._gap["until"]) if t > now] if self._gap else []
-            wake = min(self._next_hb, self._last_leader + self.liveness_s, *gap)
+            wake = min(self._next_hb, self._last_leader + self._leader_silence_s(), *gap)
             events = self._poll(poller, wake)
             if self._death_r in events:
                 os.read(self._death_r, 64)
@@ -443,6 +445,9 @@ class NodeAgent:
             self._subscribed = False  # no member: its "leaving" would name a rank another may hold
             raise ZbusError(f"the leader dropped this node: {str(msg[1:])[:200]}")
         kind = msg[0] if type(msg) is list and msg else None
+        if kind == "coming":
+            self._on_coming(msg)
+            return False
         if kind in ("stopping", "bye", "failed"):  # (an orphan's new leader at this address: not ours)
             self._check_leader(msg[1] if len(msg) > 1 else None)
         if kind == "stopping":
@@ -459,6 +464,20 @@ class NodeAgent:
             self._stop_grace = 0.2  # nobody waits for their results
             return True
         return False
+
+    def _on_coming(self, msg: list) -> None:
+        """``["coming", session, call number, bytes]``: a large call follows, and the
+        heartbeats queued behind it come only once it is in (``cluster.COMING_BYTES``)."""
+        if len(msg) == 4 and msg[1] == self._leader_session and type(msg[2]) is int \
+                and msg[2] > self._last_seq and type(msg[3]) is int and 0 < msg[3] <= codec.MAX_MESSAGE:
+            self._coming = (msg[2], msg[3] / SLOWEST_LINK_BYTES_S)
+
+    def _leader_silence_s(self) -> float:
+        """How long the leader may go unheard: its liveness limit, and while an
+        announced call arrives, the time it takes on the slowest link too."""
+        if self._coming is not None and self._last_seq >= self._coming[0]:
+            self._coming = None
+        return self.liveness_s + (self._coming[1] if self._coming is not None else 0.0)
 
     def _poll(self, poller: zmq.Poller, wake: float) -> dict:
         """Wait for the leader (or a worker's death) until ``wake``. Within the
@@ -645,7 +664,7 @@ class NodeAgent:
         if self._gap is not None:
             self._ask_again()
         now = time.monotonic()
-        if now - self._last_leader > self.liveness_s:
+        if now - self._last_leader > self._leader_silence_s():
             raise LeaderLost(f"leader {self.settings.master_addr} lost: no heartbeat for "
                              f"{now - self._last_leader:.1f} s")
         if now >= self._next_hb:

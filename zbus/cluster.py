@@ -50,6 +50,12 @@ STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 STATUS_MAX = 16 * 2**20  # the largest answer ``zbus status`` reads (4096 nodes take about 1 MiB)
 DEFAULT_MASTER_PORT = 29650
 LIVENESS_RANGE_S = (0.5, 600.0)  # a leader's liveness limit, which a welcome tells its nodes
+# A call of COMING_BYTES or more is announced to the nodes first ("coming"): ZeroMQ hands
+# on no part of a message before all of it, so the heartbeats queued behind it are heard
+# only once it is in, and its node gives the leader its liveness limit and as long again
+# as the call takes at SLOWEST_LINK_BYTES_S.
+COMING_BYTES = 1 << 20
+SLOWEST_LINK_BYTES_S = 10 * 10**6
 
 
 def max_reply() -> int:

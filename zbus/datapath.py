@@ -272,11 +272,16 @@ class SentCalls:
 
     def add(self, seq: int, frames: list, node_ranks: list[int]) -> None:
         """Keep a copy of call ``seq`` (the caller may reuse its buffers; immutable
-        bytes are kept as they are), and forget what ``node_ranks`` all have."""
-        kept = [f if type(f) is bytes else bytes(f) for f in frames]
-        size = sum(len(f) for f in kept)
+        bytes are kept as they are), and forget what ``node_ranks`` all have. A call
+        over the limit is not copied: it and every call before it are forgotten."""
+        size = sum(memoryview(f).nbytes for f in frames)
+        kept = [f if type(f) is bytes else bytes(f) for f in frames] if size <= self._limit else None
         with self._lock:
             if self._kept and self._kept[-1][0] == seq:  # (recorded twice: a Ctrl-C as it was)
+                return
+            if kept is None:  # (a gap across it fails its node, as when its copy is dropped)
+                self._kept.clear()
+                self._bytes, self.last = 0, seq
                 return
             self._kept.append((seq, kept, size))
             self._bytes += size

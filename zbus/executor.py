@@ -22,7 +22,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
-from .cluster import ClusterSettings, port_range, resolve_ip, route_to, typed_setting
+from .cluster import COMING_BYTES, ClusterSettings, port_range, resolve_ip, route_to, typed_setting
 from .config import MAX_POLL_S, WaitPolicy
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
@@ -1077,7 +1077,7 @@ class MultiprocExecutor(Executor):
             try:
                 self._seq = seq
                 self._pending.append(call)
-                self._publish(frames, deadline, nodes_got)
+                self._publish(frames, size, deadline, nodes_got)
                 call.sent = True
                 if call.future is not None:  # every rank has it: too late to cancel
                     call.future.sent()
@@ -1101,7 +1101,7 @@ class MultiprocExecutor(Executor):
         self._complete_until(call, deadline)
         return call.value()
 
-    def _publish(self, frames: list, deadline: float | None, nodes_got: list[bool]) -> None:
+    def _publish(self, frames: list, size: int, deadline: float | None, nodes_got: list[bool]) -> None:
         """One call to every rank: the local ring, and one copy per follower node.
         Once the nodes' copy is queued (``nodes_got[0]`` then True), the leader
         records the call (heartbeats carry the last call number sent, so a node that
@@ -1109,6 +1109,8 @@ class MultiprocExecutor(Executor):
         copy to send again, made while ZeroMQ still sends the caller's buffers."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
+        if self._leader is not None and size >= COMING_BYTES:
+            self._leader.say_coming(self._seq, size, 1.0 if left is None else min(1.0, left))
 
         def queued() -> None:
             nodes_got[0] = True
@@ -1393,7 +1395,7 @@ class MultiprocExecutor(Executor):
         hears the leader's bye, sent to each node on its own): they end cleanly now,
         not by SIGTERM once their grace is over."""
         try:
-            self._publish(stop, deadline_of(1.0), [False])
+            self._publish(stop, 0, deadline_of(1.0), [False])
         except SendTimeout as e:
             if e.queued or self._bcast.ring is None:
                 raise

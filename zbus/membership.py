@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import zmq
 
-from . import protocol
+from . import codec, protocol
 from .cluster import (
     STATUS_TOPIC,
     ClusterSettings,
@@ -37,7 +37,7 @@ from .cluster import (
 )
 from .config import DEFAULT_MAX_MESSAGE, MIN_SIZE_LIMIT
 from .datapath import DataPath
-from .errors import ExecutorFailedError, NodeLostError, WorkerDiedError, ZbusError, brief
+from .errors import CodecError, ExecutorFailedError, NodeLostError, WorkerDiedError, ZbusError, brief
 from .failure import Failure
 from .metrics import Metrics
 
@@ -257,6 +257,16 @@ class Membership:
         s = self.settings
         try:
             node_rank = self._check_join(info)
+            welcome = ["welcome", {
+                "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
+                "master_addr": s.master_addr, "liveness_s": s.liveness_s,
+                "reply_address": self._reply_address, "max_reply": self.path.max_reply,
+                "session": self.session, **self._welcome_spec}]
+            size = sum(memoryview(f).nbytes for f in codec.encode(welcome))
+            limit = info.get("max_message", DEFAULT_MAX_MESSAGE)
+            if size > limit:  # (its socket would drop it at each try, and the node join again)
+                raise CodecError(f"the welcome, with the worker's arguments, takes {size} bytes, over "
+                                 f"the {limit} that the node takes (its ZBUS_MAX_MESSAGE)")
         except ZbusError as e:
             log.error("refused node %s: %s", info.get("host", "?"), e)
             self.path.send_control(node_topic(node_id), ["reject", str(e)], timeout=1.0)
@@ -266,11 +276,7 @@ class Membership:
                         time.monotonic(), str(info.get("core", "unknown"))[:16],
                         info.get("max_message", DEFAULT_MAX_MESSAGE))
         self.path.open_receivers(node_rank)
-        sent = self.path.send_control(node_topic(node_id), ["welcome", {
-            "node_rank": node_rank, "nnodes": s.nnodes, "nproc_per_node": s.nproc_per_node,
-            "master_addr": s.master_addr, "liveness_s": s.liveness_s,
-            "reply_address": self._reply_address, "max_reply": self.path.max_reply,
-            "session": self.session, **self._welcome_spec}], timeout=1.0, wait=False)
+        sent = self.path.send_control(node_topic(node_id), welcome, timeout=1.0, wait=False)
         # (never waits for room: a joiner that reads nothing would hold up this thread,
         # and the XPUB's lock, which the welcome may be sent under; it joins again in 2 s)
         if sent:

@@ -107,6 +107,8 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
     turn = _Turn(lock, deadline, what, cancel)
     try:
         turn.take()
+        if cancel is not None and cancel.is_set():  # (a failure while this waited: nothing goes after it)
+            raise Cancelled(f"{what} cancelled")
         last, i, began, whole = len(frames) - 1, 0, False, False
         try:
             for i, frame in enumerate(frames):
