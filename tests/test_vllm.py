@@ -288,6 +288,101 @@ def test_what_a_real_engine_sends_decodes_in_a_fresh_worker_process(wire, tmp_pa
         "options": 2, "item": 4, "nixl": {"r1": 1.5}, "fp8": "dynamic", "text_config_is_hf_config": True}
 
 
+FRESH_DECODE_MORE = """
+import json, sys
+import msgpack
+from zbus import codec
+from zbus.vllm.wire import load_wire_modules
+
+load_wire_modules()
+import vllm.distributed.kv_transfer.kv_connector.v1.offloading.common  # (a worker's offloading connector)
+import vllm.v1.kv_offload.cpu.common
+import vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector  # (the engine's LMCache connector)
+
+with open(sys.argv[1], "rb") as f:
+    elems, offload, events, config = codec.decode(msgpack.unpackb(f.read()))
+job = offload.store_jobs[1]
+print(json.dumps({
+    "slices": [repr(e.field.slices) for e in elems], "data": [list(e.data.shape) for e in elems],
+    "job": [type(job.src_spec).__name__, job.src_spec.block_ids.tolist(), type(job.dst_spec).__name__,
+            job.dst_spec.block_ids.tolist()],
+    "events": [e.token_ids for e in events.get_all_events()],
+    "dump": [type(config.compilation_config.debug_dump_path).__name__,
+             str(config.compilation_config.debug_dump_path)],
+}))
+"""
+
+
+def test_what_flat_multimodal_offloading_and_kv_event_engines_send_decodes_in_a_fresh_process(wire, tmp_path):
+    """Found by review in vLLM's code, each refused so that such an engine died at
+    its first request or never started: a multimodal item of a "flat" field (most
+    vision models': Qwen2-VL, InternVL, Gemma 3, Llama 4) holds ``slice`` objects;
+    the native KV offloading connector's metadata holds its load/store specs
+    (plain classes of vLLM, data by their base ``LoadStoreSpec``); a connector's
+    KV events (LMCache's, Mooncake's) come back in a step's output as plain
+    classes; a compile dump folder (``VLLM_DEBUG_DUMP_PATH``) puts a ``Path`` in
+    the configuration. Each decodes, in a process that loaded what a worker (or
+    the engine, for events) has. Sabotage: no ``slice``, no ``path`` in
+    ``_reducer`` -> "cannot encode builtins.slice", "cannot encode
+    pathlib.PosixPath"; no ``LoadStoreSpec`` or ``KVConnectorKVEvents`` in
+    ``DATA_BASES`` -> "not a data type of vLLM"."""
+    import msgpack
+    import torch
+    from vllm import EngineArgs
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheKVEvents
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.multimodal.inputs import MultiModalFlatField
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from zbus import codec
+    from zbus.vllm.bench import tiny_model
+
+    elems = MultiModalFlatField(slices=[slice(0, 2), slice(2, 5)]).build_elems("image", "pixel_values",
+                                                                               torch.zeros(5, 4))
+    offload = OffloadingConnectorMetadata(load_jobs={}, store_jobs={
+        1: TransferJob("r1", GPULoadStoreSpec([3, 4], [2], [0]), CPULoadStoreSpec([7]))})
+    events = LMCacheKVEvents(2)
+    events.add_events([BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=16,
+                                   lora_id=None, medium="GPU", lora_name=None)])
+    dump = tmp_path / "dump"
+    config = EngineArgs(model=tiny_model(str(tmp_path)), load_format="dummy", skip_tokenizer_init=True,
+                        enforce_eager=True, max_model_len=256,
+                        compilation_config={"debug_dump_path": str(dump)}).create_engine_config()
+    path = tmp_path / "frames"
+    path.write_bytes(msgpack.packb([bytes(f) for f in codec.encode([elems, offload, events, config])]))
+    out = subprocess.run([sys.executable, "-c", FRESH_DECODE_MORE, str(path)], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {
+        "slices": ["[slice(0, 2, None), slice(2, 5, None)]"] * 2, "data": [[2, 4], [3, 4]],
+        "job": ["GPULoadStoreSpec", [3, 4], "CPULoadStoreSpec", [7]], "events": [[1, 2]],
+        "dump": ["PosixPath", str(dump)]}
+
+
+def test_a_slice_or_path_of_another_shape_is_refused(wire):
+    """What arrives as a slice or a path is checked first: a slice's bounds are
+    whole numbers or None (no object's ``__index__`` runs), a path is text."""
+    import msgpack
+
+    from zbus import codec
+    from zbus.errors import CodecError
+
+    def decode(name, state):
+        return codec.decode([msgpack.packb(msgpack.ExtType(7, msgpack.packb([f"vllm:{name}", state])))])
+
+    assert decode("slice", [1, None, -2]) == slice(1, None, -2)
+    for state in ([1, 2], [1.5, None, None], ["a", None, None], {"start": 1}):
+        with pytest.raises(CodecError, match="malformed slice"):
+            decode("slice", state)
+    with pytest.raises(CodecError, match="malformed path"):
+        decode("path", ["/etc"])
+
+
 def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
     """Code never travels, and a name is looked up, never imported; what the family
     remembers per name holds allowed names only. Sabotage: a build that imports
@@ -430,6 +525,34 @@ def test_the_workers_shutdown_takes_its_share_of_vllms_shutdown_budget(monkeypat
     monkeypatch.setattr(ex, "collective_rpc", recorded)
     adapter._shutdown(ex)
     assert asked == [("shutdown", pytest.approx(share))] and ex.failure.error is None
+
+
+def test_the_workers_may_take_as_long_to_start_as_vllm_gives_its_engine(monkeypatch, tmp_path):
+    """vLLM waits ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s) for its engine, and gives
+    its own workers no shorter limit; the zbus executor's workers get the same,
+    where they had zbus's 120 s (importing vLLM and torch on many workers from a
+    slow shared disk failed the start). The executor is stopped as it would be
+    made. Sabotage: no ``startup_timeout`` given -> 120.0."""
+    from vllm import EngineArgs
+
+    from zbus.vllm import executor as adapter
+    from zbus.vllm.bench import tiny_model
+
+    class Made(Exception):
+        pass
+
+    made = []
+
+    def executor(*args, **kwargs):
+        made.append(kwargs)
+        raise Made
+    monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "900")
+    monkeypatch.setattr(adapter, "Executor", executor)
+    config = EngineArgs(model=tiny_model(str(tmp_path)), load_format="dummy", skip_tokenizer_init=True,
+                        enforce_eager=True, max_model_len=256).create_engine_config()
+    with pytest.raises(Made):
+        adapter.ZbusExecutor(config)
+    assert [kw.get("startup_timeout", 120.0) for kw in made] == [900.0]
 
 
 def test_a_ctrl_c_in_a_mapped_futures_function_goes_on(wire):

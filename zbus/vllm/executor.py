@@ -65,7 +65,7 @@ class ZbusExecutor(VllmExecutor):
         self.output_rank = self.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
         self._attach(Executor(WORKER, nnodes=nnodes, nproc_per_node=self.world_size // nnodes,
                               output_rank=self.output_rank, poll_after_call_s=POLL_BETWEEN_STEPS_S,
-                              env=worker_env()))
+                              startup_timeout=_ready_timeout(), env=worker_env()))
         if getattr(self.parallel_config, "numa_bind", False):  # vLLM binds its workers as it starts them
             log.warning("numa_bind is not applied by the zbus executor: start each node's follower "
                         "(and the engine) under numactl instead")
@@ -199,6 +199,15 @@ def _shutdown_budget() -> float:
     import vllm.envs as envs
 
     return envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
+
+
+def _ready_timeout() -> float:
+    """How long the workers may take to start (vLLM's wait for its engine, which
+    gives its own workers no shorter limit): importing vLLM and torch from a slow
+    shared disk can take minutes."""
+    import vllm.envs as envs
+
+    return float(envs.VLLM_ENGINE_READY_TIMEOUT_S)
 
 
 def _step_timeout() -> float:

@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import enum
 import importlib
+import pathlib
 import sys
 from typing import Any, Callable
 
@@ -43,6 +44,9 @@ WIRE_MODULES = (
 # only once loaded): carried as their state, made as pickle makes them.
 DATA_BASES = (
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorMetadata",
+    "vllm.v1.kv_offload.base:LoadStoreSpec",  # in the offloading connector's metadata
+    "vllm.distributed.kv_events:KVConnectorKVEvents",  # in a step's output, with connectors' events
+    "vllm.distributed.kv_events:KVEventAggregator",  # (what LMCache's events hold)
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorWorkerMetadata",
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorHandshakeMetadata",
     "vllm.distributed.ec_transfer.ec_connector.base:ECConnectorMetadata",
@@ -111,6 +115,10 @@ def _reducer(t: type) -> Callable[[Any], tuple[str, Any]] | None:
         return lambda obj: (t.__name__, list(obj))
     if t is collections.Counter:
         return lambda obj: ("Counter", dict(obj))
+    if t is slice:  # (a multimodal field's: which items of a batch are whose)
+        return lambda obj: ("slice", [obj.start, obj.stop, obj.step])
+    if issubclass(t, pathlib.PurePath):  # (the configuration's dump and cache folders)
+        return lambda obj: ("path", str(obj))
     if issubclass(t, type):  # (the backend, logits processors): its name, never imported here,
         # in the form vLLM's loaders read (a logits processor's "module:Class")
         return lambda obj: ("class", f"{obj.__module__}:{obj.__qualname__}")
@@ -147,6 +155,8 @@ def _expect(kind: type, make: Callable[[Any], Any]) -> Callable[[str, Any], Any]
 _BUILTINS: dict[str, Callable[[str, Any], Any]] = {
     "set": _expect(list, set), "frozenset": _expect(list, frozenset),
     "Counter": _expect(dict, collections.Counter), "class": _expect(str, str),
+    "slice": lambda name, state: _slice(state),
+    "path": _expect(str, pathlib.Path),
     "dtype": lambda name, state: _torch_dtype(state),
     "device": lambda name, state: _torch_device(state),
 }
@@ -239,6 +249,12 @@ def _member(cls: type, state: Any) -> Any:
     if type(state) in (int, str, float, bool):  # a Flag's composite, an enum's own _missing_:
         return cls(state)  # (its error's repr is the size of what came)
     raise CodecError(f"no {cls.__qualname__} has the value {brief(state)}")
+
+
+def _slice(state: Any) -> slice:
+    if type(state) is not list or len(state) != 3 or not all(type(v) in (int, type(None)) for v in state):
+        raise CodecError("malformed slice")
+    return slice(*state)
 
 
 def _torch_device(state: Any) -> Any:
