@@ -609,7 +609,10 @@ def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_envir
              "OPENSSL_CONF", "GCONV_PATH", "http_proxy", "HTTPS_PROXY", "HF_ENDPOINT", "VLLM_PLUGINS",
              "CUDA_HOME", "MY_SETTING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_USAGE_STATS_SERVER",
              "VLLM_USE_MODELSCOPE", "NCCL_NET", "NCCL_SOCKET_IFNAME", "VLLM_HOST_IP", "VLLM_PORT",
-             "VLLM_API_KEY", "VLLM_LOGGING_STREAM", "VLLM_TRACE_FUNCTION", "VLLM_LORA_RESOLVER_HF_REPO_LIST"]
+             "VLLM_API_KEY", "VLLM_LOGGING_STREAM", "VLLM_TRACE_FUNCTION", "VLLM_LORA_RESOLVER_HF_REPO_LIST",
+             # files an OpenMP runtime (Intel's, LLVM's) or CUDA writes: "TOOL", "PIPE", "DUMP" refused
+             "OMP_TOOL_VERBOSE_INIT", "OMP_TOOL", "CUDA_COREDUMP_PIPE", "CUDA_ENABLE_COREDUMP_ON_EXCEPTION",
+             "CUDA_INJECTION64_PATH", "NCCL_PROFILER_PLUGIN"]
     safe = {"ZBUS_TEST_VALUE": "ok", "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "3"}
     try:
         with leader(port, nnodes=2, join_timeout=60, env={**{k: "evil" for k in risky}, **safe}) as ex:

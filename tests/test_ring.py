@@ -1859,6 +1859,25 @@ def test_a_send_whose_rest_cannot_be_copied_ends_the_ring_and_keeps_none_of_the_
     assert writer.aborted is False  # (closed here: nothing of it is read any more)
 
 
+def test_a_segment_name_made_first_by_another_process_does_not_stop_a_ring():
+    """A segment's name is known from /proc but for a random part: another local
+    user who creates the next names of this process first cannot make the ring's
+    creation fail. Sabotage: ``new_name`` without its random part (as before) ->
+    FileExistsError."""
+    n, pid = next(shm._counter), os.getpid()
+    mine = f"{shm.PREFIX}{shm._pid_namespace()}-{pid}-{shm._start_time(pid)}"
+    taken = [f"{mine}-{k}" for k in range(n + 1, n + 20)]
+    try:
+        for name in taken:
+            with open(os.path.join(shm.SHM_DIR, name), "x"):
+                pass
+        writer = RingWriter.create(1, RingGeometry(4096, 4), WaitPolicy(0, 0, 600))
+        writer.close()
+    finally:
+        for name in taken:
+            shm.unlink(name)
+
+
 def test_a_message_a_reader_has_no_memory_for_is_skipped_whole():
     """A message of 5 chunks whose buffer the reader cannot have (MemoryError: a
     limit on the process's memory) fails that receive, saying so, and the next

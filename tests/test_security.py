@@ -489,6 +489,76 @@ def test_the_metrics_server_drops_a_silent_client_and_answers_a_bad_header_witho
         server.server_close()
 
 
+def test_the_metrics_server_holds_no_thread_for_a_trickled_request_nor_for_many_clients(monkeypatch):
+    """A client that sends its request a byte every 0.2 s is closed once
+    ``METRICS_IDLE_S`` (1 s here) is over, not when it stops. Of 30 clients that
+    connect and send nothing (to a server that waits 30 s for a request),
+    ``METRICS_CLIENTS`` (4 here) are served and the rest closed at once, so no
+    more threads are started; a scrape is answered once they are gone. Before,
+    the limit was per byte received (a trickle held its thread for as long as it
+    went on) and each connection started a thread. Sabotage: no
+    ``_request_head`` in the handler's ``setup`` -> the trickle is served for its
+    whole 20 s; ``acquire`` always True in ``process_request`` -> none closed."""
+    import urllib.request
+
+    from zbus import metrics
+
+    def closed(sock: socket.socket) -> bool:
+        sock.setblocking(False)  # (a socket with a timeout waits for data first)
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+
+    monkeypatch.setattr(metrics, "METRICS_IDLE_S", 1.0)
+    monkeypatch.setattr(metrics, "METRICS_CLIENTS", 4)
+    port = free_port_pair()
+    server, _ = metrics.serve_prometheus(metrics.Metrics(), port, "127.0.0.1")
+    stop = threading.Event()
+    trickle = socket.create_connection(("127.0.0.1", port), timeout=30)
+
+    def send_slowly() -> None:
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x" * 4:  # 20 s of it, never whole
+            if stop.wait(0.2):
+                return
+            try:
+                trickle.send(bytes([byte]))
+            except OSError:  # closed by the server
+                return
+    sender = threading.Thread(target=send_slowly)
+    sender.start()
+    try:
+        start = time.monotonic()
+        assert trickle.recv(1) == b""
+        assert time.monotonic() - start < 5
+    finally:
+        stop.set()
+        sender.join(10)
+        trickle.close()
+        server.shutdown()
+        server.server_close()
+
+    monkeypatch.setattr(metrics, "METRICS_IDLE_S", 30.0)
+    port = free_port_pair()
+    server, _ = metrics.serve_prometheus(metrics.Metrics(), port, "127.0.0.1")
+    threads = threading.active_count()
+    silent = []
+    try:
+        silent += [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(30)]
+        wait_until(lambda: sum(map(closed, silent)) == 26, 10, "all but 4 clients closed")
+        assert threading.active_count() - threads == 4
+        for sock in silent:
+            sock.close()
+        wait_until(lambda: threading.active_count() == threads, 10, "the served clients' threads ended")
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert b"zbus_rpcs_total 0" in urllib.request.urlopen(url, timeout=10).read()
+    finally:
+        for sock in silent:
+            sock.close()
+        server.shutdown()
+        server.server_close()
+
+
 def status_from_a_posing_leader(answer: list) -> subprocess.CompletedProcess:
     """``zbus status`` (3 s) against a peer on two free ports that answers each
     status request with ``answer``, as a leader of another version or one posing
@@ -526,13 +596,15 @@ def test_zbus_status_says_in_one_line_what_it_cannot_read_and_prints_no_escape()
     field this version reads is said in one line, and what peers named (a host,
     the failure) is printed without its escapes. Before, the first two were
     tracebacks (TypeError, KeyError) and the escape reached the operator's
-    terminal. Sabotage: no ``type(msg[1]) is dict`` in ``query_status``, no
-    ``except`` round the formatting in ``cli._status``, or no ``_shown`` of the
-    host."""
-    status = {"world_size": 2, "output_rank": 0, "uptime_s": 1.0, "failed": "lost \x1b[2J",
-              "rpcs": 0, "latency_s": {"p50": None, "p90": None, "p99": None}, "bytes_sent": 0,
-              "errors": {}, "dropped_frames": 0,
-              "nodes": [{"node_rank": 1, "host": "\x1b]0;owned\x07", "ranks": [1]}]}
+    terminal (until 2026-12-07, from every field but the host and the failure).
+    Sabotage: no ``type(msg[1]) is dict`` in ``query_status``, no ``except`` round
+    the formatting in ``cli._status``, or no ``_shown`` of the lines."""
+    status = {"world_size": "\x1b]52;c;b3duZWQ=\x07", "output_rank": 0, "uptime_s": 1.0,
+              "failed": "lost \x1b[2J", "rpcs": "\x1b[31m",
+              "latency_s": {"p50": None, "p90": None, "p99": None}, "bytes_sent": 0, "errors": "\x1b[8m",
+              "dropped_frames": 0,
+              "nodes": [{"node_rank": "\x1b[2J", "host": "\x1b]0;owned\x07", "ranks": ["\x1b[5m"],
+                         "core": "\x1b[1m"}]}
     wrong = status_from_a_posing_leader(["status", [1, 2]])
     assert wrong.returncode == 1 and "no leader answered" in wrong.stderr, wrong.stderr[-2000:]
     old = status_from_a_posing_leader(["status", {k: v for k, v in status.items() if k != "output_rank"}])
@@ -921,10 +993,39 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
             end_process(p)
 
 
+def test_a_nodes_reason_reaches_the_driver_without_its_escapes(tmp_path):
+    """Node 2's key says its node leaves, for a reason holding terminal escapes (a
+    clipboard write, a screen clear): the executor fails with that reason, its
+    escapes shown as "?" (the error reaches the driver's terminal in a traceback).
+    Sabotage: the reason as sent in ``Membership``'s ``leaving`` (as before) ->
+    the escapes are in the error."""
+    from zbus.curve import NodeCurve
+
+    keygen(str(tmp_path), nodes=2)
+    port = free_port_pair()
+    procs = [follower(port, "--node-rank", str(r), "--curve-dir", str(tmp_path / f"node-{r}"))
+             for r in (1, 2)]
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, curve_dir=str(tmp_path / "leader"), join_timeout=60) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
+            forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
+                  [["leaving", 2, ex._leader.path.session, "\x1b]52;c;b3duZWQ=\x07gone\x1b[2J"]])
+            wait_until(lambda: ex.failure.error is not None, 20, "the executor failed")
+            assert isinstance(ex.failure.error, zbus.NodeLostError)
+            assert str(ex.failure.error).endswith("it left: ?]52;c;b3duZWQ=?gone?[2J"), str(ex.failure.error)
+    finally:
+        for p in procs:
+            end_process(p)
+
+
 def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkeypatch, caplog):
     """ZBUS_SECRET alone keys a 3-node cluster; rank 2's derived key claiming rank 1
-    (a join, a reply, a death notice) is dropped. Sabotage: make
-    DataPath._sent_by_owner return True: the forged "died" then fails the executor."""
+    (a join, a reply, a death notice) is dropped. No worker has the secret in its
+    environment (from it the leader's key is derived; each follower's workers
+    get their node's key pair alone). Sabotage: make DataPath._sent_by_owner return
+    True: the forged "died" then fails the executor; no ``ZBUS_SECRET`` dropped in
+    ``processes.worker_env`` (as before) -> every worker has it."""
     from zbus.curve import NodeCurve
 
     monkeypatch.setenv("ZBUS_SECRET", SECRET)
@@ -936,6 +1037,8 @@ def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkey
             with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
                                master_port=port, join_timeout=60) as ex:
                 assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
+                assert ex.collective_rpc("env_of", args=(["ZBUS_SECRET"],), timeout=30) == [
+                    {"ZBUS_SECRET": None}] * 3
                 before = ex._leader.dropped
                 info = {"version": 1, "nproc": 1, "host": "h", "address": "a", "node_rank": 1, "pid": 1}
                 forge(port, NodeCurve.from_secret(SECRET.encode(), 2),

@@ -74,7 +74,8 @@ SAFE_ENV_NAMES = ("TOKENIZERS_PARALLELISM", "ZBUS_GPUS", "ZBUS_THREADS")
 UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CONF", "CACHE", "ENDPOINT",
                     "URL", "PROXY", "MODULE", "PRELOAD", "CMD", "EXEC", "SCRIPT", "INSECURE", "SERIAL",
                     "ALLOW", "TRUST", "SERVER", "HOST", "ADDR", "PORT", "IFNAME", "NET", "KEY", "TOKEN",
-                    "SECRET", "USAGE", "MODELSCOPE", "DOWNLOAD", "REMOTE")
+                    "SECRET", "USAGE", "MODELSCOPE", "DOWNLOAD", "REMOTE", "TOOL", "PIPE", "DUMP",
+                    "INJECT")
 
 
 def safe_env_name(name: str) -> bool:

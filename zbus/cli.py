@@ -102,22 +102,25 @@ def format_status(st: dict) -> str:
     us = lambda v: "-" if v is None else f"{v * 1e6:.0f} us"  # noqa: E731
     lat = st["latency_s"]
     lines = [f"world size {st['world_size']}, output rank {st['output_rank']}, "
-             f"up {st['uptime_s']:.0f} s" + (f", FAILED: {_shown(st['failed'])}" if st["failed"] else ""),
+             f"up {st['uptime_s']:.0f} s" + (f", FAILED: {st['failed']}" if st["failed"] else ""),
              f"rpcs {st['rpcs']}  latency p50 {us(lat['p50'])}  p90 {us(lat['p90'])}  p99 {us(lat['p99'])}"
              f"  bytes sent {st['bytes_sent']}",
              f"errors {st['errors'] or 'none'}  dropped frames {st['dropped_frames']}", "nodes:"]
     for n in st["nodes"]:
         hb = f"  last heartbeat {n['last_heartbeat_s']:.1f} s ago" if "last_heartbeat_s" in n else ""
-        core = f"  core {_shown(n['core'])}" if "core" in n else ""
+        core = f"  core {n['core']}" if "core" in n else ""
         ranks = f"ranks {n['ranks'][0]}..{n['ranks'][-1]}"
-        lines.append(f"  node {n['node_rank']}  {_shown(n['host']):<16} {ranks}{core}{hb}")
-    return "\n".join(lines)
+        lines.append(f"  node {n['node_rank']}  {n['host']!s:<16} {ranks}{core}{hb}")
+    return "\n".join(map(_shown, lines))  # (every field: the answer is whoever's listens there)
 
 
-def _shown(text: object) -> str:
-    """``text`` as the terminal may print it: no escape or control character (a
+def _shown(what: object) -> str:
+    """``what`` as the terminal may print it: no escape or control character (a
     leader's answer names what peers said)."""
-    return "".join(c if c.isprintable() else "?" for c in str(text))
+    from .errors import said
+
+    text = str(what)
+    return said(text, len(text))
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -128,3 +128,11 @@ def brief(obj: Any) -> str:
         return _REPR.repr(obj)
     except Exception as e:  # noqa: BLE001 - a dataclass whose repr raises, say
         return f"<{type(obj).__name__}: repr failed: {type(e).__name__}>"
+
+
+def said(reason: Any, limit: int = 500) -> str:
+    """What a peer gave as its reason, for an error or a terminal: text cut to
+    ``limit`` characters, its escapes and control characters shown as "?" (anything
+    else briefly)."""
+    text = reason[:limit] if type(reason) is str else brief(reason)
+    return "".join(c if c.isprintable() else "?" for c in text)

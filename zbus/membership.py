@@ -37,7 +37,7 @@ from .cluster import (
 )
 from .config import DEFAULT_MAX_MESSAGE, MIN_SIZE_LIMIT
 from .datapath import DataPath
-from .errors import CodecError, ExecutorFailedError, NodeLostError, WorkerDiedError, ZbusError, brief
+from .errors import CodecError, ExecutorFailedError, NodeLostError, WorkerDiedError, ZbusError, brief, said
 from .failure import Failure
 from .metrics import Metrics
 
@@ -290,9 +290,8 @@ class Membership:
         if node is None:
             self.metrics.dropped(reason="stray-refused")
             return
-        why = reason[:500] if type(reason) is str else brief(reason)  # (as a member's "leaving")
         self.failure.fail(ExecutorFailedError(f"node {node.node_rank} ({node.host}) refused to start the "
-                                              f"workers: {why}"))
+                                              f"workers: {said(reason)}"))
 
     def _on_subscribed(self, node_id: Any) -> None:
         node = self._probing.pop(node_id, None) if node_id_ok(node_id) else None
@@ -452,8 +451,7 @@ class Membership:
             self.failure.fail(WorkerDiedError(msg[2], msg[3], f"on node {node.node_rank} ({node.host})"))
         elif kind == "leaving" and len(msg) == 3 and type(msg[1]) is int and msg[1] in self.nodes:
             node = self.nodes[msg[1]]  # its agent gave up, and says why
-            reason = msg[2][:500] if type(msg[2]) is str else brief(msg[2])
-            self.failure.fail(NodeLostError(node.node_rank, node.host, f"it left: {reason}"))
+            self.failure.fail(NodeLostError(node.node_rank, node.host, f"it left: {said(msg[2])}"))
         elif kind == "join" and len(msg) == 3:
             self._on_join(msg[1], msg[2])
         elif kind == "subscribed" and len(msg) == 2 and type(msg[1]) is str:

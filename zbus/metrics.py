@@ -5,6 +5,7 @@ for, served to Prometheus (``prometheus-client``, an optional dependency)."""
 from __future__ import annotations
 
 import bisect
+import io
 import socket
 import sys
 import threading
@@ -15,9 +16,12 @@ from .errors import SettingError
 
 # Latency buckets (seconds): 10 us .. ~80 s, x2 apart.
 BUCKETS = tuple(10e-6 * 2**i for i in range(24))
-# An HTTP client of the metrics server that sends nothing holds its connection,
-# and the thread that serves it, this long at most.
+# The metrics port takes no key: a client has this long to send its request's head
+# (of at most METRICS_HEAD_MAX bytes), trickled or not, and at most METRICS_CLIENTS
+# are served at once (each holds a thread); the others are closed at once.
 METRICS_IDLE_S = 10.0
+METRICS_HEAD_MAX = 16 * 1024
+METRICS_CLIENTS = 8
 
 
 class Histogram:
@@ -148,20 +152,46 @@ def serve_prometheus(metrics: Metrics, port: int, addr: str, describe: Any = Non
 
 def _serve(scrape: Any, port: int, addr: str) -> tuple[Any, threading.Thread]:
     """prometheus-client's server, less what an unauthenticated client could do
-    with it: hold a thread for good by sending nothing, or print a traceback on the
-    driver's stderr by a request it cannot parse."""
+    with it: hold a thread for good by sending nothing or trickling its request,
+    start threads without end, or print a traceback on the driver's stderr by a
+    request it cannot parse."""
     from socketserver import ThreadingMixIn
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    clients = threading.BoundedSemaphore(METRICS_CLIENTS)
 
     class Server(ThreadingMixIn, WSGIServer):
         daemon_threads = True
         address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not clients.acquire(blocking=False):
+                self.shutdown_request(request)  # (as many as it serves already)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:  # no thread to be had: served by none
+                clients.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                clients.release()
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             pass  # (a client that timed out or went away: the next one is served)
 
     class Handler(WSGIRequestHandler):
         timeout = METRICS_IDLE_S
+
+        def setup(self) -> None:
+            super().setup()
+            # the head read here, whole, by its deadline (the handler's own reads time
+            # out per byte received); nothing of it: no request, closed
+            self.rfile = io.BytesIO(_request_head(self.connection, time.monotonic() + METRICS_IDLE_S))
+            self.connection.settimeout(METRICS_IDLE_S)
 
         def log_message(self, *args: Any) -> None:
             pass  # (a scrape is no news)
@@ -177,3 +207,23 @@ def _serve(scrape: Any, port: int, addr: str) -> tuple[Any, threading.Thread]:
     thread = threading.Thread(target=server.serve_forever, name="zbus-metrics", daemon=True)
     thread.start()
     return server, thread
+
+
+def _request_head(sock: socket.socket, deadline: float) -> bytes:
+    """An HTTP request's head (up to its blank line) read by ``deadline`` within
+    ``METRICS_HEAD_MAX`` bytes; b"" if it did not come whole. A scrape is a GET:
+    no body follows."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(head) > METRICS_HEAD_MAX:
+            return b""
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(4096)
+        except OSError:  # (its deadline, a reset)
+            return b""
+        if not chunk:
+            return b""
+        head += chunk
+    return head

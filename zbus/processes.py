@@ -61,6 +61,7 @@ def _visible_gpus() -> list[str]:
 def worker_env(place: dict, master_addr: str, master_port: int, extra: dict[str, str]) -> dict:
     """The environment of a worker process: torchrun's variables, one GPU each."""
     env = dict(os.environ)
+    env.pop("ZBUS_SECRET", None)  # (the cluster's key: a node's workers get their node's key pair)
     env.update(extra)
     env.update({
         "RANK": str(place["rank"]), "LOCAL_RANK": str(place["local_rank"]),

@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import platform
+import secrets
 import socket
 import struct
 import threading
@@ -65,9 +66,11 @@ def _pid_namespace() -> str:
 
 
 def new_name() -> str:
-    """A fresh segment name owned by this process."""
+    """A fresh segment name owned by this process. It ends with a random part:
+    another local user who made the name first (all the rest can be read in /proc)
+    would make the segment's creation fail (``O_EXCL``)."""
     pid = os.getpid()
-    return f"{PREFIX}{_pid_namespace()}-{pid}-{_start_time(pid)}-{next(_counter)}"
+    return f"{PREFIX}{_pid_namespace()}-{pid}-{_start_time(pid)}-{next(_counter)}x{secrets.token_hex(4)}"
 
 
 def _pid_exists(pid: int) -> bool:
