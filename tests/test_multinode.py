@@ -26,6 +26,9 @@ LIVENESS = 3.0  # the drivers here use 3 s; compose's default is 10 s
 
 
 NODE_CLEAN_S = 20.0  # how long a test's nodes get to end their processes and names
+# After a leader's SIGKILL a node ends within its liveness limit of the last heartbeat
+# heard, then its workers (at once, without their stop grace: 2 s more) and its names.
+CLEAN_SLACK_S = 1.5
 
 
 @pytest.fixture
@@ -260,7 +263,7 @@ def test_link_cut_shorter_than_the_limit_loses_nothing(cluster):
 
 @pytest.mark.parametrize("scenario", ["hold", "hold_busy"])
 def test_leader_sigkill_leaves_no_process_and_no_shared_memory(cluster, scenario):
-    """Every follower process and worker is gone within the liveness limit + 1 s
+    """Every follower process and worker is gone within the liveness limit + 1.5 s
     of the leader's SIGKILL, idle workers or workers inside a long call
     (``hold_busy``). Sabotage: give the workers the 2 s stop grace after a lost
     leader (``self._stop_grace = 2.0`` in ``NodeAgent.run``): ``hold_busy`` takes
@@ -282,13 +285,13 @@ def test_leader_sigkill_leaves_no_process_and_no_shared_memory(cluster, scenario
     print(f"leader SIGKILL ({scenario}): every node clean after {elapsed:.2f} s (limit {LIVENESS} s)")
     for node in cluster.nodes:
         assert node.pids() == [] and node.shm_segments() == [], node.name
-    assert elapsed < LIVENESS + 1
+    assert elapsed < LIVENESS + CLEAN_SLACK_S
 
 
 def test_follower_with_a_full_ring_ends_when_its_leader_dies(cluster):
     """Node 1's workers hang and the leader sends until node 1 takes no more
     (ring and read-ahead full), then is SIGKILLed: node 1's agent, workers and
-    segments are gone within the liveness limit + 1 s. Sabotage: in
+    segments are gone within the liveness limit + 1.5 s. Sabotage: in
     ``NodeAgent._read_ahead`` count a readable socket with a full backlog as the
     leader alive (``self._last_leader = time.monotonic()``): node 1 never ends."""
     followers = start_followers(cluster)
@@ -305,7 +308,7 @@ def test_follower_with_a_full_ring_ends_when_its_leader_dies(cluster):
     print(f"leader SIGKILL with node 1's ring full ({r['sent']} calls sent): node 1 clean after "
           f"{elapsed:.2f} s (limit {LIVENESS} s)")
     assert node1.pids() == [] and node1.shm_segments() == []
-    assert elapsed < LIVENESS + 1
+    assert elapsed < LIVENESS + CLEAN_SLACK_S
     assert wait_exit(followers, 10) == [1, 1]
 
 
