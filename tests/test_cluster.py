@@ -20,7 +20,16 @@ import psutil
 import pytest
 import workers
 import zmq
-from conftest import TEST_PATH, end_process, no_thread_to_be_had, shm_used, wait_until, zbus_segments
+from conftest import (
+    TEST_PATH,
+    end_process,
+    next_line,
+    no_thread_to_be_had,
+    shm_used,
+    spawn_python,
+    wait_until,
+    zbus_segments,
+)
 
 import zbus
 from zbus import codec, protocol, shm
@@ -825,6 +834,54 @@ def test_a_welcome_over_a_nodes_message_limit_fails_the_start_at_once(monkeypatc
         assert time.monotonic() - start < 15
     finally:
         end_process(proc)
+
+
+ANNOUNCED_NEVER_SENT = """
+import sys, time
+import workers, zbus
+from zbus.errors import SendTimeout
+
+ex = zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                   master_port=int(sys.argv[1]), liveness_s=1.0, join_timeout=60)
+ex.collective_rpc("noop", timeout=30)
+publish = ex._bcast.publish_frames
+
+def after_the_coming(*args, **kwargs):  # the call is announced, then goes nowhere
+    ex._bcast.publish_frames = publish
+    raise SendTimeout("the ring is full", queued=False)
+ex._bcast.publish_frames = after_the_coming
+try:
+    ex.collective_rpc("tensor_len", args=(bytes(64 * 2**20),), timeout=30)
+except TimeoutError:
+    print("announced, not sent", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_call_announced_but_never_sent_holds_its_nodes_once(tmp_path):
+    """A 64 MiB call is announced to its node ("coming", which lets the leader be
+    silent for the call's time at 10 MB/s, 6.7 s), then its send times out before
+    anything went: no call follows. 8 s later the driver is SIGKILLed: the node
+    takes its leader for lost within the liveness limit (1 s), as if nothing had
+    been announced. Before, the announcement held until a call of that number
+    came: every silence of the leader got 6.7 s more, for good. Sabotage: the
+    announced time added to every silence until that call comes (as a first
+    version of ``NodeAgent._leader_lost_at`` did) -> the node exits after about
+    7.7 s."""
+    port = free_port_pair()
+    node = follower(port, "--node-rank", "1")
+    driver = spawn_python(ANNOUNCED_NEVER_SENT, str(port), stdout=subprocess.PIPE, text=True)
+    try:
+        assert next_line(driver, time.monotonic() + 60).strip() == "announced, not sent"
+        time.sleep(8)  # past what the announcement allowed
+        driver.kill()
+        killed = time.monotonic()
+        assert node.wait(20) == 1
+        took = time.monotonic() - killed
+        assert took < 3.5, took
+    finally:
+        end_process(driver)
+        end_process(node)
 
 
 def test_a_failure_as_a_call_is_encoded_sends_it_to_no_node(monkeypatch):

@@ -270,20 +270,23 @@ import os, sys
 import workers, zbus
 
 with zbus.Executor(workers.EchoWorker, nproc_per_node=2) as ex:
+    pending = ex.collective_rpc("later", args=("parent's", 0.5), non_block=True, timeout=30)
     pid = os.fork()
     if pid == 0:
         try:
             if sys.argv[1] == "shuts down":  # it left the with-block (sys.exit, a returning function)
                 ex.shutdown()
             else:
-                try:
-                    ex.collective_rpc("echo", args=("child",), timeout=10)
-                except zbus.ZbusError as e:
-                    print("child:", e, flush=True)
+                for call in (lambda: ex.collective_rpc("echo", args=("child",), timeout=10),
+                             lambda: pending.result(10)):
+                    try:
+                        call()
+                    except zbus.ZbusError as e:
+                        print("child:", e, flush=True)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
-    print(ex.collective_rpc("echo", args=(1,), timeout=10), flush=True)
+    print(pending.result(10), ex.collective_rpc("echo", args=(1,), timeout=10), flush=True)
 """
 
 
@@ -305,24 +308,28 @@ def test_a_local_reply_over_the_message_limit_is_refused_by_its_worker(monkeypat
 
 @pytest.mark.parametrize("child", ["shuts down", "calls"])
 def test_a_forked_child_leaves_the_parents_executor_serving(child):
-    """A process forked from the driver shuts its copy of the executor down (it
-    left a ``with`` block, say), or calls it: the parent's workers serve on, and
-    its next call gets its own answers. Before, the copy's shutdown sent STOP into
+    """A process forked from the driver, with a call of the parent's pending, shuts
+    its copy of the executor down (it left a ``with`` block, say), or calls it and
+    waits for the pending call: the parent's workers serve on, the parent's call
+    and its next one get their own answers. Before, the copy's shutdown sent STOP into
     the parent's ring, told its monitor to stop and closed the rings: the parent's
     next call failed; the copy's call went through the parent's ring as the
     parent's next call number, and the parent's next call returned the child's
     answers (its own never reached a worker). Sabotage: no pid check in
     ``MultiprocExecutor.shutdown`` -> the parent's call fails; none in its
-    ``collective_rpc`` -> the parent's call returns ``("child",)``."""
+    ``collective_rpc`` -> the parent's call returns ``("child",)``; none in
+    ``_complete_until`` -> the child takes the pending call's replies (a first
+    version checked ``collective_rpc`` alone), and the parent waits out its timeouts."""
     proc = spawn_python(FORKED_CHILD, child, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=90)
     finally:
         end_process(proc)
     said = ["child: this executor belongs to the process that made it; a process forked from it "
-            "cannot call its workers"] if child == "calls" else []
+            "cannot call its workers nor wait for their replies"] * 2 if child == "calls" else []
     assert proc.returncode == 0, err[-2000:]
-    assert out.splitlines() == [*said, "[((1,), {}), ((1,), {})]"], (out, err[-2000:])
+    assert out.splitlines() == [*said, "[\"parent's\", \"parent's\"] [((1,), {}), ((1,), {})]"], (
+        out, err[-2000:])
 
 
 REAPER_REFUSED_ONCE = """
@@ -2280,11 +2287,11 @@ def test_a_call_forgotten_while_the_completer_reads_it_gives_its_number_to_the_n
             except BaseException as e:  # noqa: BLE001 - the test shows it
                 got["error"] = e
 
-        def cut_short(frames, deadline, nodes_got):
+        def cut_short(frames, size, deadline, nodes_got):
             """The call's wait to send drains the earlier call's replies (as ``on_full``
             does), the completer turns to this call, and the send ends undelivered."""
             if later:  # the next call: sent
-                return publish(frames, deadline, nodes_got)
+                return publish(frames, size, deadline, nodes_got)
             wait_until(lambda: all(ex._receivers[r].poll(first.seq) for r in (0, 1)), 10, "replies in")
             ex._drain_ready()
             assert first._call not in ex._pending and not first.done()  # answered, its future not yet done

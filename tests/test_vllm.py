@@ -322,7 +322,8 @@ def test_what_flat_multimodal_offloading_and_kv_event_engines_send_decodes_in_a_
     KV events (LMCache's, Mooncake's) come back in a step's output as plain
     classes; a compile dump folder (``VLLM_DEBUG_DUMP_PATH``) puts a ``Path`` in
     the configuration. Each decodes, in a process that loaded what a worker (or
-    the engine, for events) has. Sabotage: no ``slice``, no ``path`` in
+    the engine, for events) has (a first version of the slice refused the 0-d
+    tensors vLLM makes its bounds of). Sabotage: no ``slice``, no ``path`` in
     ``_reducer`` -> "cannot encode builtins.slice", "cannot encode
     pathlib.PosixPath"; no ``LoadStoreSpec`` or ``KVConnectorKVEvents`` in
     ``DATA_BASES`` -> "not a data type of vLLM"."""
@@ -335,15 +336,17 @@ def test_what_flat_multimodal_offloading_and_kv_event_engines_send_decodes_in_a_
         OffloadingConnectorMetadata,
         TransferJob,
     )
-    from vllm.multimodal.inputs import MultiModalFlatField
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalFlatField
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
     from zbus import codec
     from zbus.vllm.bench import tiny_model
 
-    elems = MultiModalFlatField(slices=[slice(0, 2), slice(2, 5)]).build_elems("image", "pixel_values",
-                                                                               torch.zeros(5, 4))
+    # (as vLLM's processors make them: the slices' bounds are 0-d tensors)
+    field = MultiModalFieldConfig.flat_from_sizes("image", torch.tensor([2, 3])).field
+    assert isinstance(field, MultiModalFlatField) and isinstance(field.slices[1][0].stop, torch.Tensor)
+    elems = field.build_elems("image", "pixel_values", torch.zeros(5, 4))
     offload = OffloadingConnectorMetadata(load_jobs={}, store_jobs={
         1: TransferJob("r1", GPULoadStoreSpec([3, 4], [2], [0]), CPULoadStoreSpec([7]))})
     events = LMCacheKVEvents(2)
@@ -359,7 +362,7 @@ def test_what_flat_multimodal_offloading_and_kv_event_engines_send_decodes_in_a_
                          timeout=300, env=dict(os.environ, PYTHONPATH=TEST_PATH))
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.splitlines()[-1]) == {
-        "slices": ["[slice(0, 2, None), slice(2, 5, None)]"] * 2, "data": [[2, 4], [3, 4]],
+        "slices": ["[(slice(0, 2, None),), (slice(2, 5, None),)]"] * 2, "data": [[2, 4], [3, 4]],
         "job": ["GPULoadStoreSpec", [3, 4], "CPULoadStoreSpec", [7]], "events": [[1, 2]],
         "dump": ["PosixPath", str(dump)]}
 

@@ -192,7 +192,7 @@ class NodeAgent:
         self._subscribed = False  # told the leader so: a member from then on
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
-        self._coming: tuple[int, float] | None = None  # a large call announced: (its number, its time)
+        self._coming: tuple[int, float] | None = None  # a large call announced: (its number, until when)
         self._next_hb = 0.0
         self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self._poll_s = 0.0  # the executor's poll_after_call_s (from the welcome)
@@ -398,7 +398,7 @@ class NodeAgent:
             # (lost calls) the next ask for them and the moment to give up, if to come
             now = time.monotonic()
             gap = [t for t in (self._gap["ask"], self._gap["until"]) if t > now] if self._gap else []
-            wake = min(self._next_hb, self._last_leader + self._leader_silence_s(), *gap)
+            wake = min(self._next_hb, self._leader_lost_at(), *gap)
             events = self._poll(poller, wake)
             if self._death_r in events:
                 os.read(self._death_r, 64)
@@ -467,18 +467,26 @@ class NodeAgent:
         return False
 
     def _on_coming(self, msg: list) -> None:
-        """``["coming", session, call number, bytes]``: a large call follows, and the
-        heartbeats queued behind it come only once it is in (``cluster.COMING_BYTES``)."""
+        """``["coming", session, call number, bytes]``: a large call follows (the
+        bytes the leader sends for it, a copy per node), and the heartbeats queued
+        behind it come only once it is in (``cluster.COMING_BYTES``)."""
         if len(msg) == 4 and msg[1] == self._leader_session and type(msg[2]) is int \
-                and msg[2] > self._last_seq and type(msg[3]) is int and 0 < msg[3] <= codec.MAX_MESSAGE:
-            self._coming = (msg[2], msg[3] / SLOWEST_LINK_BYTES_S)
+                and msg[2] > self._last_seq and type(msg[3]) is int \
+                and 0 < msg[3] <= codec.MAX_MESSAGE * MAX_NNODES:
+            self._coming = (msg[2], time.monotonic() + self.liveness_s + msg[3] / SLOWEST_LINK_BYTES_S)
 
-    def _leader_silence_s(self) -> float:
-        """How long the leader may go unheard: its liveness limit, and while an
-        announced call arrives, the time it takes on the slowest link too."""
-        if self._coming is not None and self._last_seq >= self._coming[0]:
-            self._coming = None
-        return self.liveness_s + (self._coming[1] if self._coming is not None else 0.0)
+    def _leader_lost_at(self) -> float:
+        """When the leader counts as lost: its liveness limit after it was last
+        heard, or, while an announced call arrives, once it had the time that call
+        takes on the slowest link (a call announced but never sent: that long once)."""
+        lost_at = self._last_leader + self.liveness_s
+        if self._coming is not None:
+            seq, until = self._coming
+            if self._last_seq >= seq or until <= lost_at:  # in, or no longer the later one
+                self._coming = None
+            else:
+                lost_at = until
+        return lost_at
 
     def _poll(self, poller: zmq.Poller, wake: float) -> dict:
         """Wait for the leader (or a worker's death) until ``wake``. Within the
@@ -665,7 +673,7 @@ class NodeAgent:
         if self._gap is not None:
             self._ask_again()
         now = time.monotonic()
-        if now - self._last_leader > self._leader_silence_s():
+        if now > self._leader_lost_at():
             raise LeaderLost(f"leader {self.settings.master_addr} lost: no heartbeat for "
                              f"{now - self._last_leader:.1f} s")
         if now >= self._next_hb:

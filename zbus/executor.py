@@ -1046,9 +1046,7 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None) -> Any:
-        if os.getpid() != self._pid:  # its rings' positions are copies: it would take the parent's replies
-            raise ZbusError("this executor belongs to the process that made it; a process forked "
-                            "from it cannot call its workers")
+        self._refuse_a_forked_process()
         method, unique_reply_rank = self._check_call(method, unique_reply_rank, kwargs)
         if self._send_lock.held_here() or (not non_block and self._recv_lock.held_here()):
             raise ZbusError(CALLBACK_WAITS)
@@ -1107,10 +1105,11 @@ class MultiprocExecutor(Executor):
         records the call (heartbeats carry the last call number sent, so a node that
         lost calls in a reset connection finds out without a next call) and keeps a
         copy to send again, made while ZeroMQ still sends the caller's buffers."""
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
         if self._leader is not None and size >= COMING_BYTES:
-            self._leader.say_coming(self._seq, size, 1.0 if left is None else min(1.0, left))
+            self._leader.say_coming(self._seq, size, 1.0 if deadline is None else
+                                    min(1.0, max(0.0, deadline - time.monotonic())))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
 
         def queued() -> None:
             nodes_got[0] = True
@@ -1168,7 +1167,15 @@ class MultiprocExecutor(Executor):
         finally:
             self._recv_lock.release()
 
+    def _refuse_a_forked_process(self) -> None:
+        """A process forked from the driver has copies of the rings' positions: its
+        call would go as the parent's next, its reads take the parent's replies."""
+        if os.getpid() != self._pid:
+            raise ZbusError("this executor belongs to the process that made it; a process forked "
+                            "from it cannot call its workers nor wait for their replies")
+
     def _complete_until(self, call: Call, deadline: float | None) -> None:
+        self._refuse_a_forked_process()  # (a future's result, in a child)
         if self._recv_lock.held_here():
             raise ZbusError(CALLBACK_WAITS)
         # In slices: another caller that holds the lock for a later call of its own may

@@ -15,7 +15,7 @@ from typing import Callable
 
 import zmq
 
-from .cluster import TOPIC_HEARTBEAT, ClusterSettings, check_exposure, max_reply, resolve_ip
+from .cluster import ClusterSettings, check_exposure, max_reply, resolve_ip
 from .curve import FRAME_SLACK, LeaderCurve, describe
 from .datapath import PULL_RCVHWM, DataPath
 from .failure import Failure, run_every
@@ -95,9 +95,10 @@ class Leader:
 
     def say_coming(self, seq: int, size: int, timeout: float) -> None:
         """Tell the nodes that call ``seq`` of ``size`` bytes follows (see
-        ``cluster.COMING_BYTES``); not waiting on a node that has no room."""
-        self.path.send_control(TOPIC_HEARTBEAT, ["coming", self.membership.session, seq, size], timeout,
-                               wait=False)
+        ``cluster.COMING_BYTES``), and how many bytes this leader sends for it (a
+        copy per node, on one link); as a heartbeat: never waiting on a node."""
+        self.path.send_beat(["coming", self.membership.session, seq, size * (self.settings.nnodes - 1)],
+                            self.membership.node_ids(), timeout)
 
     def try_publish_to_nodes(self, frames: list, timeout: float) -> bool:
         """Send a call to the nodes only, within ``timeout``: whether it was queued."""

@@ -388,7 +388,7 @@ class Membership:
             # a failed executor says so instead of heartbeating: its nodes free their GPUs
             hb = ["hb", self.path.sent_seq, self.session] if error is None \
                 else ["failed", self.session, brief(str(error))]
-            ids = self._node_ids()
+            ids = self.node_ids()
             if self.path.send_beat(hb, ids, timeout=s.heartbeat_s / 2):
                 told = error is not None
             else:
@@ -495,18 +495,18 @@ class Membership:
     def announce_stop(self) -> None:
         """Tell the agents that their workers are about to be stopped, so they do
         not report the exits as failures."""
-        self.path.tell_nodes(["stopping", self.session], self._node_ids(), timeout=1.0)
+        self.path.tell_nodes(["stopping", self.session], self.node_ids(), timeout=1.0)
 
     def say_bye(self) -> bool:
         """Tell the nodes the cluster is done (they stop their workers and exit 0);
         whether it went to any node. Said as soon as the last call (STOP) is out, so a
         leader killed while its own workers stop leaves no node waiting for it."""
         try:
-            return self.path.tell_nodes(["bye", self.session], self._node_ids(), timeout=1.0)
+            return self.path.tell_nodes(["bye", self.session], self.node_ids(), timeout=1.0)
         except zmq.ZMQError:
             return False
 
-    def _node_ids(self) -> list[str]:
+    def node_ids(self) -> list[str]:
         return [node.node_id for node in list(self.nodes.values())]
 
     def reject_joining(self) -> None:

@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any, Callable, Sequence
 
-from . import shm
+from . import codec, shm
 from .config import RingGeometry, WaitPolicy
 from .errors import Cancelled, CodecError, RingClosed, SendTimeout
 
@@ -608,7 +608,7 @@ class RingReader(_Ring):
             take = min(cb, total)
             out: memoryview | None
             try:
-                if total >= 1 << 62:  # (rounded up in the pool, C's ssize_t would wrap it)
+                if total >= 1 << 62 or total > codec.MAX_MESSAGE:  # (no sender sends it; C would wrap 2**63)
                     raise OverflowError("larger than any message")
                 out = self._pool.take(total)
             except MemoryError:  # no room for it here: read past it whole, not into it

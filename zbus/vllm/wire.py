@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import enum
 import importlib
+import operator
 import pathlib
 import sys
 from typing import Any, Callable
@@ -115,8 +116,10 @@ def _reducer(t: type) -> Callable[[Any], tuple[str, Any]] | None:
         return lambda obj: (t.__name__, list(obj))
     if t is collections.Counter:
         return lambda obj: ("Counter", dict(obj))
-    if t is slice:  # (a multimodal field's: which items of a batch are whose)
-        return lambda obj: ("slice", [obj.start, obj.stop, obj.step])
+    if t is slice:  # (a multimodal field's: which items of a batch are whose; its bounds may be
+        # 0-d tensors, as vLLM's flat_from_sizes makes them: whole numbers, as vLLM's own wire sends)
+        return lambda obj: ("slice", [None if v is None else operator.index(v)
+                                      for v in (obj.start, obj.stop, obj.step)])
     if issubclass(t, pathlib.PurePath):  # (the configuration's dump and cache folders)
         return lambda obj: ("path", str(obj))
     if issubclass(t, type):  # (the backend, logits processors): its name, never imported here,
