@@ -7,6 +7,7 @@ they are skipped, with the reason."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -19,6 +20,7 @@ import tempfile
 import time
 import urllib.request
 import warnings
+from fractions import Fraction
 
 import psutil
 import pytest
@@ -300,9 +302,12 @@ import vllm.v1.kv_offload.cpu.common
 import vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector  # (the engine's LMCache connector)
 
 with open(sys.argv[1], "rb") as f:
-    elems, offload, events, config = codec.decode(msgpack.unpackb(f.read()))
+    elems, offload, events, config, compressed, specs = codec.decode(msgpack.unpackb(f.read()))
 job = offload.store_jobs[1]
+weights = compressed.target_scheme_map["Linear"]["weights"]
 print(json.dumps({
+    "compressed": [type(compressed).__name__, type(weights).__name__, weights.model_dump(mode="json")],
+    "fraction": repr(specs["encoder.attn"].tokens_per_state),
     "slices": [repr(e.field.slices) for e in elems], "data": [list(e.data.shape) for e in elems],
     "job": [type(job.src_spec).__name__, job.src_spec.block_ids.tolist(), type(job.dst_spec).__name__,
             job.dst_spec.block_ids.tolist()],
@@ -315,7 +320,11 @@ print(json.dumps({
 
 def test_what_flat_multimodal_offloading_and_kv_event_engines_send_decodes_in_a_fresh_process(wire, tmp_path):
     """Found by review in vLLM's code, each refused so that such an engine died at
-    its first request or never started: a multimodal item of a "flat" field (most
+    its first request or never started: a compressed-tensors checkpoint's
+    quantization config (llm-compressor's FP8, W8A8, W4A16) holds pydantic models
+    of the ``compressed_tensors`` package, which a fresh worker has not loaded
+    when it decodes them (vLLM's table of quantization methods loads it); a KV
+    cache spec of causal Whisper holds a ``Fraction``; a multimodal item of a "flat" field (most
     vision models': Qwen2-VL, InternVL, Gemma 3, Llama 4) holds ``slice`` objects;
     the native KV offloading connector's metadata holds its load/store specs
     (plain classes of vLLM, data by their base ``LoadStoreSpec``); a connector's
@@ -326,7 +335,9 @@ def test_what_flat_multimodal_offloading_and_kv_event_engines_send_decodes_in_a_
     tensors vLLM makes its bounds of). Sabotage: no ``slice``, no ``path`` in
     ``_reducer`` -> "cannot encode builtins.slice", "cannot encode
     pathlib.PosixPath"; no ``LoadStoreSpec`` or ``KVConnectorKVEvents`` in
-    ``DATA_BASES`` -> "not a data type of vLLM"."""
+    ``DATA_BASES`` -> "not a data type of vLLM"; no ``PYDANTIC_PACKAGES`` ->
+    "cannot encode compressed_tensors..."; no package loaded in ``_pydantic_class``
+    -> "not a loaded model"; no ``fraction`` -> "cannot encode fractions.Fraction"."""
     import msgpack
     import torch
     from vllm import EngineArgs
@@ -336,7 +347,11 @@ def test_what_flat_multimodal_offloading_and_kv_event_engines_send_decodes_in_a_
         OffloadingConnectorMetadata,
         TransferJob,
     )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
     from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalFlatField
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
@@ -356,20 +371,36 @@ def test_what_flat_multimodal_offloading_and_kv_event_engines_send_decodes_in_a_
     config = EngineArgs(model=tiny_model(str(tmp_path)), load_format="dummy", skip_tokenizer_init=True,
                         enforce_eager=True, max_model_len=256,
                         compilation_config={"debug_dump_path": str(dump)}).create_engine_config()
+    compressed = CompressedTensorsConfig.from_config({  # an FP8-dynamic checkpoint's
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                  "symmetric": True}}}})
+    weights = compressed.target_scheme_map["Linear"]["weights"]
+    specs = {"encoder.attn": dataclasses.replace(
+        FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16),
+        tokens_per_state=Fraction(1, 4))}
     path = tmp_path / "frames"
-    path.write_bytes(msgpack.packb([bytes(f) for f in codec.encode([elems, offload, events, config])]))
+    sent = [elems, offload, events, config, compressed, specs]
+    path.write_bytes(msgpack.packb([bytes(f) for f in codec.encode(sent)]))
     out = subprocess.run([sys.executable, "-c", FRESH_DECODE_MORE, str(path)], capture_output=True, text=True,
                          timeout=300, env=dict(os.environ, PYTHONPATH=TEST_PATH))
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.splitlines()[-1]) == {
+        "compressed": ["CompressedTensorsConfig", "QuantizationArgs", weights.model_dump(mode="json")],
+        "fraction": "Fraction(1, 4)",
         "slices": ["[(slice(0, 2, None),), (slice(2, 5, None),)]"] * 2, "data": [[2, 4], [3, 4]],
         "job": ["GPULoadStoreSpec", [3, 4], "CPULoadStoreSpec", [7]], "events": [[1, 2]],
         "dump": ["PosixPath", str(dump)]}
 
 
-def test_a_slice_or_path_of_another_shape_is_refused(wire):
-    """What arrives as a slice or a path is checked first: a slice's bounds are
-    whole numbers or None (no object's ``__index__`` runs), a path is text."""
+def test_a_slice_path_fraction_or_pydantic_model_of_another_shape_is_refused(wire):
+    """What arrives as a slice, a path, a fraction or a compressed-tensors model is
+    checked first: a slice's bounds are whole numbers or None (no object's
+    ``__index__`` runs), a path is text, a fraction two whole numbers (not over
+    0), a model one of a loaded module of the package (never imported by its
+    name), validated by its class."""
     import msgpack
 
     from zbus import codec
@@ -384,6 +415,20 @@ def test_a_slice_or_path_of_another_shape_is_refused(wire):
             decode("slice", state)
     with pytest.raises(CodecError, match="malformed path"):
         decode("path", ["/etc"])
+    assert decode("fraction", [1, 4]) == Fraction(1, 4)
+    for state in ([1, 0], [1.0, 2], [1], "1/4"):
+        with pytest.raises(CodecError, match="malformed fraction"):
+            decode("fraction", state)
+    # a compressed-tensors model: a pydantic model of a loaded module, validated; nothing else
+    args = "compressed_tensors.quantization.quant_args"
+    for name, why in [("compressed_tensors.zbus_never_loaded:Thing", "not a loaded model"),
+                      (f"{args}:QuantizationArgs.__class__", "refused"),
+                      (f"{args}:QuantizationStrategy", "not a loaded model")]:  # (an enum: no model)
+        with pytest.raises(CodecError, match=why):
+            decode(name, {})
+    assert "compressed_tensors.zbus_never_loaded" not in sys.modules
+    with pytest.raises(CodecError, match="malformed compressed_tensors.*validation error"):
+        decode(f"{args}:QuantizationArgs", {"num_bits": "many"})
 
 
 def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):

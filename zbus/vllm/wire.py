@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import fractions
 import importlib
 import operator
 import pathlib
@@ -54,6 +55,11 @@ DATA_BASES = (
     "vllm.model_executor.layers.quantization.base_config:QuantizationConfig",
 )
 _QUANTIZATION = "vllm.model_executor.layers.quantization."
+# Pydantic models of these packages, which vLLM keeps in a checkpoint's quantization
+# config (compressed-tensors': llm-compressor's FP8, W8A8, W4A16 checkpoints), travel
+# as their JSON dump and are validated back by their class, looked up, never imported
+# by name (vLLM's table of quantization methods loads the package).
+PYDANTIC_PACKAGES = {"compressed_tensors": "compressed-tensors"}  # package: its quantization method
 
 
 def _is_vllm(module: str) -> bool:
@@ -122,6 +128,11 @@ def _reducer(t: type) -> Callable[[Any], tuple[str, Any]] | None:
                                       for v in (obj.start, obj.stop, obj.step)])
     if issubclass(t, pathlib.PurePath):  # (the configuration's dump and cache folders)
         return lambda obj: ("path", str(obj))
+    if t is fractions.Fraction:  # (a KV cache spec's tokens per state: causal Whisper's)
+        return lambda obj: ("fraction", [obj.numerator, obj.denominator])
+    if t.__module__.partition(".")[0] in PYDANTIC_PACKAGES and callable(getattr(t, "model_dump", None)):
+        name = f"{t.__module__}:{t.__qualname__}"
+        return lambda obj: (name, obj.model_dump(mode="json"))
     if issubclass(t, type):  # (the backend, logits processors): its name, never imported here,
         # in the form vLLM's loaders read (a logits processor's "module:Class")
         return lambda obj: ("class", f"{obj.__module__}:{obj.__qualname__}")
@@ -160,6 +171,7 @@ _BUILTINS: dict[str, Callable[[str, Any], Any]] = {
     "Counter": _expect(dict, collections.Counter), "class": _expect(str, str),
     "slice": lambda name, state: _slice(state),
     "path": _expect(str, pathlib.Path),
+    "fraction": lambda name, state: _fraction(state),
     "dtype": lambda name, state: _torch_dtype(state),
     "device": lambda name, state: _torch_device(state),
 }
@@ -169,6 +181,8 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
     """How to make an object of the type ``name`` from its state, or CodecError."""
     if name in _BUILTINS:
         return _BUILTINS[name]
+    if name.partition(".")[0].partition(":")[0] in PYDANTIC_PACKAGES:
+        return _validated(_pydantic_class(name))
     cls = _wire_class(name, state)
     if issubclass(cls, enum.Enum):
         return lambda name, state: _member(cls, state)
@@ -260,6 +274,12 @@ def _slice(state: Any) -> slice:
     return slice(*state)
 
 
+def _fraction(state: Any) -> fractions.Fraction:
+    if type(state) is not list or len(state) != 2 or not all(type(v) is int for v in state) or not state[1]:
+        raise CodecError("malformed fraction")
+    return fractions.Fraction(*state)
+
+
 def _torch_device(state: Any) -> Any:
     import torch
 
@@ -315,6 +335,41 @@ def _data_by_base(cls: type) -> bool:
         if isinstance(found, type) and issubclass(cls, found):
             return True
     return False
+
+
+def _validated(cls: Any) -> Callable[[str, Any], Any]:
+    def build(name: str, state: Any) -> Any:
+        if type(state) is not dict:
+            raise CodecError(f"malformed {name}")
+        try:
+            return cls.model_validate(state)
+        except ValueError as e:  # (pydantic's ValidationError)
+            raise CodecError(f"malformed {name}: {brief(str(e))}") from None
+    return build
+
+
+def _pydantic_class(name: str) -> type:
+    """A pydantic model class of :data:`PYDANTIC_PACKAGES`, its package loaded by
+    vLLM's own module of its quantization method, or CodecError."""
+    module_name, _, qualname = name.partition(":")
+    package = module_name.partition(".")[0]
+    if module_name not in sys.modules:  # a fresh worker: its arguments are decoded before their config
+        from vllm.model_executor.layers.quantization import get_quantization_config
+
+        try:
+            get_quantization_config(PYDANTIC_PACKAGES[package])
+        except Exception:  # noqa: BLE001 - not on this platform: refused below
+            pass
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split(".") if qualname else ["__"]:
+        if part.startswith("__"):
+            raise CodecError(f"type {name[:200]!r} refused")
+        obj = vars(obj).get(part) if obj is not None and hasattr(obj, "__dict__") else None
+    pydantic = sys.modules.get("pydantic")
+    if not (isinstance(obj, type) and pydantic is not None and issubclass(obj, pydantic.BaseModel)
+            and obj.__module__ == module_name):
+        raise CodecError(f"type {name[:200]!r} is not a loaded model of {package}: not carried")
+    return obj
 
 
 def _quantization_class(name: str) -> type:
