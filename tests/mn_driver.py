@@ -56,11 +56,20 @@ def relay() -> None:
         out(per_broadcast=sent / n, small_per_broadcast=small / n, payload=len(payload))
 
 
-def big() -> None:
+def big(wait_s: float = 0.0) -> None:
     """A 64 MiB call on links that take seconds to carry it (the test slows the
-    leader's), with a liveness limit of 1 s."""
+    leader's), with a liveness limit of 1 s; with ``wait_s``, announced that long
+    before it goes (as behind a full node or a local ring still busy)."""
     with executor(liveness_s=1.0) as ex:
         ex.collective_rpc("noop", timeout=30)
+        if wait_s:
+            publish = ex._bcast.publish_frames
+
+            def late(*args, **kwargs):
+                ex._bcast.publish_frames = publish
+                time.sleep(wait_s)  # (the leader heartbeats meanwhile)
+                return publish(*args, **kwargs)
+            ex._bcast.publish_frames = late
         start = time.monotonic()
         try:
             lens = ex.collective_rpc("tensor_len", args=(b"x" * (64 * 2**20),), timeout=120)
@@ -221,7 +230,8 @@ def reset(size: int = 50_000, echo: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    {"basic": basic, "big": big, "dist": dist, "relay": relay, "lost": lost, "hold": hold, "blip": blip,
+    {"basic": basic, "big": big, "big_late": lambda: big(wait_s=16.0), "dist": dist, "relay": relay,
+     "lost": lost, "hold": hold, "blip": blip,
      "hold_busy": lambda: hold(busy=True), "full_ring": full_ring,
      "reset": reset, "reset_big": lambda: reset(size=1_500_000),
      "reset_replies": lambda: reset(size=500_000, echo=True)}[sys.argv[1]]()

@@ -31,7 +31,7 @@ from conftest import (
 from ring_procs import end_message, make_message
 
 import zbus
-from zbus import ring, shm
+from zbus import codec, ring, shm
 from zbus.config import RingGeometry, WaitPolicy
 from zbus.errors import Cancelled, RingClosed, ShmSpaceError
 from zbus.ring import BufferPool, RingReader, RingWriter
@@ -234,7 +234,9 @@ def test_a_corrupt_message_is_dropped_and_the_next_one_read(core, corrupt, monke
     ``ZBUS_MAX_MESSAGE``, which no buffer can hold (MemoryError): a first version
     of skipping a message the reader has no memory for skipped it whole, reading
     every later message as its rest; sabotage: no check of the size against
-    ``codec.MAX_MESSAGE`` -> TimeoutError."""
+    ``codec.MAX_MESSAGE`` on a MemoryError -> TimeoutError. (A second version
+    took any size over the limit for corrupt, a real message within it too: its
+    frames' padding counts.)"""
     if core == "python":
         monkeypatch.setattr(ring, "_read_message", ring._read_message_py)
     elif shm.core is None:
@@ -722,7 +724,7 @@ def test_segment_whose_mapping_fails_is_unlinked():
     unlink on failure: the reserved segment stays in /dev/shm."""
     code = """
 import resource, sys
-from zbus import ring, shm
+from zbus import codec, ring, shm
 with open("/proc/self/status") as f:
     vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + 2**24, resource.RLIM_INFINITY))
@@ -1869,6 +1871,30 @@ def test_a_send_whose_rest_cannot_be_copied_ends_the_ring_and_keeps_none_of_the_
         reader.close()
         writer.close()
     assert writer.aborted is False  # (closed here: nothing of it is read any more)
+
+
+def test_a_message_whose_frames_fill_the_message_limit_is_read_whole(monkeypatch):
+    """Frames of exactly ``ZBUS_MAX_MESSAGE`` (1 MiB here) in three parts take more
+    in the ring (its header, each frame's padding): streamed through a ring of
+    256 KiB, the message is read whole. Sabotage: a size over the limit taken for
+    corrupt (``total > codec.MAX_MESSAGE`` with the bound on 2**62, as a version
+    of the skip of a message no buffer can hold did) -> CodecError, and the rest
+    read as messages."""
+    monkeypatch.setattr(codec, "MAX_MESSAGE", 2**20)
+    writer = RingWriter.create(1, RingGeometry(65536, 4), WaitPolicy(0, 0, 600))
+    reader = RingReader.attach(writer.handle, 0, WaitPolicy(0, 0, 600))
+    frames = [b"a" * 100, b"b" * (2**20 - 200), b"c" * 100]
+    got: list = []
+    receiver = threading.Thread(target=lambda: got.extend(bytes(f) for f in reader.recv(timeout=30)))
+    receiver.start()
+    try:
+        writer.send(frames, timeout=30)
+        receiver.join(30)
+        assert got == frames
+    finally:
+        receiver.join(30)
+        reader.close()
+        writer.close()
 
 
 def test_a_segment_name_made_first_by_another_process_does_not_stop_a_ring():

@@ -192,7 +192,7 @@ class NodeAgent:
         self._subscribed = False  # told the leader so: a member from then on
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
-        self._coming: tuple[int, float] | None = None  # a large call announced: (its number, until when)
+        self._coming: tuple[int, float] | None = None  # a large call announced: (its number, its time)
         self._next_hb = 0.0
         self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self._poll_s = 0.0  # the executor's poll_after_call_s (from the welcome)
@@ -469,24 +469,20 @@ class NodeAgent:
     def _on_coming(self, msg: list) -> None:
         """``["coming", session, call number, bytes]``: a large call follows (the
         bytes the leader sends for it, a copy per node), and the heartbeats queued
-        behind it come only once it is in (``cluster.COMING_BYTES``)."""
+        behind it come only once it is in (``cluster.COMING_BYTES``); 0 bytes: it
+        will not come (its send timed out before it went)."""
         if len(msg) == 4 and msg[1] == self._leader_session and type(msg[2]) is int \
-                and msg[2] > self._last_seq and type(msg[3]) is int \
-                and 0 < msg[3] <= codec.MAX_MESSAGE * MAX_NNODES:
-            self._coming = (msg[2], time.monotonic() + self.liveness_s + msg[3] / SLOWEST_LINK_BYTES_S)
+                and type(msg[3]) is int and 0 <= msg[3] <= codec.MAX_MESSAGE * MAX_NNODES:
+            self._coming = (msg[2], msg[3] / SLOWEST_LINK_BYTES_S) if msg[3] and msg[2] > self._last_seq \
+                else None
 
     def _leader_lost_at(self) -> float:
         """When the leader counts as lost: its liveness limit after it was last
-        heard, or, while an announced call arrives, once it had the time that call
-        takes on the slowest link (a call announced but never sent: that long once)."""
-        lost_at = self._last_leader + self.liveness_s
-        if self._coming is not None:
-            seq, until = self._coming
-            if self._last_seq >= seq or until <= lost_at:  # in, or no longer the later one
-                self._coming = None
-            else:
-                lost_at = until
-        return lost_at
+        heard, and while an announced call has not come, the time it takes on the
+        slowest link more."""
+        if self._coming is not None and self._last_seq >= self._coming[0]:  # (relayed in the core)
+            self._coming = None
+        return self._last_leader + self.liveness_s + (self._coming[1] if self._coming is not None else 0.0)
 
     def _poll(self, poller: zmq.Poller, wake: float) -> dict:
         """Wait for the leader (or a worker's death) until ``wake``. Within the
@@ -622,6 +618,8 @@ class NodeAgent:
         one after a gap waits until the gap is filled."""
         self._poll_until = time.monotonic() + self._poll_s
         seq = _call_seq(frames[0])
+        if self._coming is not None and seq is not None and seq >= self._coming[0]:
+            self._coming = None  # it came: the leader's silence is its own again
         if seq is not None and seq <= self._last_seq:
             return
         if seq is not None and seq != self._last_seq + 1:

@@ -892,6 +892,7 @@ class MultiprocExecutor(Executor):
             raise SettingError(f"metrics_port {self.metrics_port} outside 1..65535")
         self._metrics_server: Any = None
         self._seq = 0
+        self._announced = 0  # the last call announced to the nodes as coming (cluster.COMING_BYTES)
         self._answered = 0  # every call up to this number has all its replies
         self._replies_closed_at: dict[int, float] = {}  # rank: when its reply queue was seen closed
         self._pending: collections.deque[Call] = collections.deque()
@@ -1107,6 +1108,7 @@ class MultiprocExecutor(Executor):
         copy to send again, made while ZeroMQ still sends the caller's buffers."""
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
         if self._leader is not None and size >= COMING_BYTES:
+            self._announced = self._seq
             self._leader.say_coming(self._seq, size, 1.0 if deadline is None else
                                     min(1.0, max(0.0, deadline - time.monotonic())))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -1130,6 +1132,8 @@ class MultiprocExecutor(Executor):
             if self._pending and self._pending[-1] is call:
                 self._pending.pop()
             self._seq = call.seq - 1
+            if self._leader is not None and call.seq == self._announced:  # the nodes wait for it
+                self._leader.say_coming(call.seq, 0, 0.1)
             return
         call.sent = True
         ring = self._bcast.ring

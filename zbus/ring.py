@@ -86,6 +86,10 @@ def _reader_off(r: int) -> int:
 
 
 _PAGE = max(4096, mmap.PAGESIZE)  # data on a page of its own: lent chunks map from it
+# What a message may take in a ring beyond its frames' bytes (its header, each frame's
+# padding to 64 bytes): a size further over ZBUS_MAX_MESSAGE that no buffer can hold is
+# taken for a stray write's, not for a message to read past.
+MESSAGE_LAYOUT_SLACK = 1 << 20
 
 
 def _data_offset(n_readers: int) -> int:
@@ -608,11 +612,13 @@ class RingReader(_Ring):
             take = min(cb, total)
             out: memoryview | None
             try:
-                if total >= 1 << 62 or total > codec.MAX_MESSAGE:  # (no sender sends it; C would wrap 2**63)
+                if total >= 1 << 62:  # (rounded up in the pool, C's ssize_t would wrap it)
                     raise OverflowError("larger than any message")
                 out = self._pool.take(total)
-            except MemoryError:  # no room for it here: read past it whole, not into it
-                out = None
+            except MemoryError:
+                if total > codec.MAX_MESSAGE + MESSAGE_LAYOUT_SLACK:  # a stray write's: corrupt
+                    raise self._dropped(ValueError(f"its size {total}: MemoryError")) from None
+                out = None  # a message this process has no room for: read past it whole
             except (OverflowError, OSError, ValueError) as e:  # a size no message has
                 raise self._dropped(ValueError(f"its size {total}: {type(e).__name__}")) from None
             if out is not None:
