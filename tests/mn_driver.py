@@ -78,6 +78,35 @@ def big(wait_s: float = 0.0) -> None:
             out(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
 
 
+def big_behind_a_full_node(agent_pid: int) -> None:
+    """Node 1's agent stopped (SIGSTOP) until its queue is full (small calls time
+    out sending), then a 64 MiB call, node 1 let go 1 s later: the call's
+    announcement waits for node 1's room, as the call does."""
+    import os
+    import signal
+    import threading
+
+    with executor(liveness_s=5.0) as ex:  # (node 1 is stopped for less)
+        ex.collective_rpc("noop", timeout=30)
+        os.kill(agent_pid, signal.SIGSTOP)
+        try:
+            for _ in range(2000):  # (bounded: the kernel's buffers, then ZeroMQ's 64 messages)
+                try:
+                    ex.collective_rpc("tensor_len", args=(bytes(512 * 1024),), non_block=True, timeout=0.5)
+                except TimeoutError:
+                    break
+            else:
+                raise AssertionError("node 1's queue never filled")
+        finally:
+            threading.Timer(1.0, os.kill, args=(agent_pid, signal.SIGCONT)).start()
+        start = time.monotonic()
+        try:
+            lens = ex.collective_rpc("tensor_len", args=(b"x" * (64 * 2**20),), timeout=120)
+            out(lens=lens, seconds=time.monotonic() - start)
+        except zbus.ZbusError as e:
+            out(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
+
+
 def lost() -> None:
     with executor() as ex:
         ex.collective_rpc("noop", timeout=30)
@@ -231,7 +260,7 @@ def reset(size: int = 50_000, echo: bool = False) -> None:
 
 if __name__ == "__main__":
     {"basic": basic, "big": big, "big_late": lambda: big(wait_s=16.0), "dist": dist, "relay": relay,
-     "lost": lost, "hold": hold, "blip": blip,
+     "lost": lost, "hold": hold, "blip": blip, "big_full": lambda: big_behind_a_full_node(int(sys.argv[2])),
      "hold_busy": lambda: hold(busy=True), "full_ring": full_ring,
      "reset": reset, "reset_big": lambda: reset(size=1_500_000),
      "reset_replies": lambda: reset(size=500_000, echo=True)}[sys.argv[1]]()

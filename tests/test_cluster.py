@@ -883,6 +883,45 @@ def test_a_call_announced_but_never_sent_is_withdrawn(tmp_path):
         end_process(node)
 
 
+READ_AHEAD_WHILE_HELD = """
+import sys, time
+import workers, zbus
+
+ex = zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                   master_port=int(sys.argv[1]), liveness_s=1.0, join_timeout=60)
+ex.collective_rpc("noop", timeout=30)
+held = [ex.collective_rpc("sleep_on_node", args=(1, 60), non_block=True)]
+held += [ex.collective_rpc("noop", non_block=True) for _ in range(8)]  # node 1's ring full: it reads ahead
+held.append(ex.collective_rpc("tensor_len", args=(bytes(64 * 2**20),), non_block=True, timeout=60))
+print("sent", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_large_call_read_ahead_ends_its_announcement(tmp_path):
+    """Node 1's worker is held in a call and its ring (4 chunks) is full, so its
+    agent reads ahead: the announcement of a 64 MiB call ("coming": 6.7 s more of
+    silence allowed), then the call itself. The call is in: the leader's silence
+    is its own again, and the driver's SIGKILL is seen within the liveness limit
+    (1 s). Before, the announcement held until the call was relayed (never, with
+    the worker held): the node took 7.7 s to see its leader lost. Sabotage: no
+    ``_heard_call`` in ``NodeAgent._read_ahead`` -> about 7.7 s."""
+    port = free_port_pair()
+    node = follower(port, "--node-rank", "1", env={"ZBUS_RING": "256x4"})
+    driver = spawn_python(READ_AHEAD_WHILE_HELD, str(port), stdout=subprocess.PIPE, text=True)
+    try:
+        assert next_line(driver, time.monotonic() + 60).strip() == "sent"
+        time.sleep(2)  # (64 MiB across loopback into the read-ahead: a fraction of that)
+        driver.kill()
+        killed = time.monotonic()
+        assert node.wait(20) == 1
+        took = time.monotonic() - killed
+        assert took < 3.5, took
+    finally:
+        end_process(driver)
+        end_process(node)
+
+
 def test_a_failure_as_a_call_is_encoded_sends_it_to_no_node(monkeypatch):
     """The executor fails after a call passed its check, before its first frame
     went (a worker's death seen on the monitor thread, say): the call fails with

@@ -150,6 +150,28 @@ def test_a_call_that_takes_longer_than_the_liveness_limit_to_arrive_is_no_lost_l
     assert wait_exit([proc, *followers], 60) == [0, 0, 0]
 
 
+def test_a_large_call_behind_a_full_node_is_announced_to_it_too(cluster):
+    """As above, at 100 Mbit/s with a liveness limit of 5 s (the call takes about
+    11 s to cross), but node 1's agent is stopped until its queue is full, and
+    let go 1 s after the call is made: the call's
+    announcement is sent to node 1 as soon as it has room, ahead of the call,
+    which waited for that room too; every rank answers. Before, the announcement
+    went as a heartbeat, to the nodes that had room then: node 1 got the call
+    unannounced and left ("no heartbeat"). Sabotage: ``say_coming`` by
+    ``DataPath.send_beat`` (as before) -> NodeLostError for node 1."""
+    subprocess.run(["ip", "netns", "exec", cluster.nodes[0].ns, "tc", "qdisc", "add", "dev", "eth0", "root",
+                    "tbf", "rate", "100mbit", "burst", "256kb", "latency", "100ms"], check=True, timeout=10)
+    followers = start_followers(cluster)
+    keys = {"ZBUS_SECRET": compose.service("leader")[1]["ZBUS_SECRET"]}
+    proc = cluster.nodes[0].python(os.path.join(os.path.dirname(__file__), "mn_driver.py"), "big_full",
+                                   str(followers[0].pid), env={"PYTHONPATH": TEST_PATH, **keys},
+                                   stdout=subprocess.PIPE, text=True)
+    r = read_json(proc, timeout=240)
+    print(f"a 64 MiB call behind a full node: {r}")
+    assert r.get("lens") == [64 * 2**20] * 6, r
+    assert wait_exit([proc, *followers], 60) == [0, 0, 0]
+
+
 def test_torch_distributed_all_reduce_spans_the_nodes(cluster):
     pytest.importorskip("torch")
     followers = start_followers(cluster)

@@ -193,6 +193,7 @@ class NodeAgent:
         self._death_r, self._death_w = os.pipe()
         self._last_leader = time.monotonic()
         self._coming: tuple[int, float] | None = None  # a large call announced: (its number, its time)
+        self._call_topics: tuple[bytes, ...] = ()  # (from the welcome)
         self._next_hb = 0.0
         self._stop_grace = 2.0  # how long workers get to end by themselves at close
         self._poll_s = 0.0  # the executor's poll_after_call_s (from the welcome)
@@ -391,7 +392,7 @@ class NodeAgent:
         poller = zmq.Poller()
         poller.register(self.sub, zmq.POLLIN)
         poller.register(self._death_r, zmq.POLLIN)
-        call_topics = (self._rpc_topic, node_topic(self.node_id) + TOPIC_RPC)
+        call_topics = self._call_topics = (self._rpc_topic, node_topic(self.node_id) + TOPIC_RPC)
         while True:
             self._tick()
             # wake for the next heartbeat, the moment the leader would be lost, and
@@ -475,6 +476,15 @@ class NodeAgent:
                 and type(msg[3]) is int and 0 <= msg[3] <= codec.MAX_MESSAGE * MAX_NNODES:
             self._coming = (msg[2], msg[3] / SLOWEST_LINK_BYTES_S) if msg[3] and msg[2] > self._last_seq \
                 else None
+
+    def _heard_call(self, topic: bytes, frames: list) -> None:
+        """A message read ahead: the call announced, in (its envelope is the first
+        frame, or in parts its first part, whole: an envelope is under 1 MiB)."""
+        if self._coming is not None and topic.removesuffix(protocol.PARTS) in self._call_topics \
+                and len(frames) > 2:
+            seq = _call_seq(frames[2] if topic.endswith(protocol.PARTS) else frames[1])
+            if seq is not None and seq >= self._coming[0]:
+                self._coming = None
 
     def _leader_lost_at(self) -> float:
         """When the leader counts as lost: its liveness limit after it was last
@@ -592,6 +602,7 @@ class NodeAgent:
             if len(self._backlog) >= BACKLOG_MESSAGES or self._backlog_bytes >= BACKLOG_BYTES:
                 return  # unread messages prove nothing: a dead leader's socket stays readable
             frames = self._read()
+            self._heard_call(bytes(frames[0]), frames)
             msg = self._leader_word(bytes(frames[0]), frames)
             heartbeat = _is_heartbeat(msg)
             if heartbeat:

@@ -440,15 +440,16 @@ class DataPath:
         stayed busy for ``timeout``."""
         return self._send_now([TOPIC_HEARTBEAT], obj, timeout, [node_topic(n) for n in node_ids])
 
-    def tell_nodes(self, obj: Any, node_ids: list[str], timeout: float) -> bool:
-        """Send a control message that every node must hear (``stopping``, ``bye``)
-        within ``timeout``: one broadcast, or, while some node's queue is full (a
-        stalled node, on which a broadcast would wait out the timeout), a copy on
-        each node's own topic as soon as that node has room. Whether it went to any
-        node (then it is worth lingering on close to let it out)."""
+    def tell_nodes(self, obj: Any, node_ids: list[str], timeout: float, cancel: Any = None) -> bool:
+        """Send a control message that every node must hear (``stopping``, ``bye``,
+        ``coming``) within ``timeout``: one broadcast, or, while some node's queue
+        is full (a stalled node, on which a broadcast would wait out the timeout),
+        a copy on each node's own topic as soon as that node has room; no longer
+        once ``cancel`` (an Event) is set. Whether it went to any node (then it is
+        worth lingering on close to let it out)."""
         frames, deadline = codec.encode(obj), deadline_of(timeout)
         left, went = [TOPIC_HEARTBEAT], False
-        while True:  # (until the deadline)
+        while cancel is None or not cancel.is_set():  # (or the deadline)
             if not self.xpub_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return went
             try:
@@ -462,6 +463,7 @@ class DataPath:
             if left == [TOPIC_HEARTBEAT]:  # no copy went yet: one per node from now on
                 left = [node_topic(n) for n in node_ids]
             time.sleep(TELL_RETRY_S)
+        return went
 
     def _send_now(self, topics: list[bytes], obj: Any, timeout: float,
                   instead: list[bytes] | None = None) -> bool:

@@ -51,6 +51,10 @@ STARTUP_REPORT_GRACE_S = 1.0  # how long a failed start-up waits for the worker'
 EXIT_REPORT_S = 2.0  # how long a worker that closed its replies has to exit (and be reported)
 SHUTDOWN_WAIT_S = 60.0  # how long a second shutdown waits for the first (which bounds its own steps)
 FAILED_GRACE_S = 0.2  # how long a failed executor's workers get to end by themselves (then SIGTERM)
+# A large call's announcement to its nodes (cluster.COMING_BYTES) waits for a full node as
+# long as the call may (without a deadline: this long); its withdrawal, this long.
+SAY_COMING_S = 3600.0
+WITHDRAW_S = 1.0
 WorkerSpec = "type[Worker] | str"
 
 
@@ -1107,10 +1111,10 @@ class MultiprocExecutor(Executor):
         lost calls in a reset connection finds out without a next call) and keeps a
         copy to send again, made while ZeroMQ still sends the caller's buffers."""
         lock = self._leader.xpub_lock if self._leader is not None else None  # heartbeats share it
-        if self._leader is not None and size >= COMING_BYTES:
+        if self._leader is not None and size >= COMING_BYTES:  # (no deadline: as long as the call waits)
             self._announced = self._seq
-            self._leader.say_coming(self._seq, size, 1.0 if deadline is None else
-                                    min(1.0, max(0.0, deadline - time.monotonic())))
+            self._leader.say_coming(self._seq, size, SAY_COMING_S if deadline is None else
+                                    max(0.0, deadline - time.monotonic()))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
 
         def queued() -> None:
@@ -1133,7 +1137,7 @@ class MultiprocExecutor(Executor):
                 self._pending.pop()
             self._seq = call.seq - 1
             if self._leader is not None and call.seq == self._announced:  # the nodes wait for it
-                self._leader.say_coming(call.seq, 0, 0.1)
+                self._leader.say_coming(call.seq, 0, WITHDRAW_S)
             return
         call.sent = True
         ring = self._bcast.ring

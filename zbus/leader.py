@@ -94,11 +94,13 @@ class Leader:
         self.path.sent(seq, frames, list(self.nodes))
 
     def say_coming(self, seq: int, size: int, timeout: float) -> None:
-        """Tell the nodes that call ``seq`` of ``size`` bytes follows (see
-        ``cluster.COMING_BYTES``), and how many bytes this leader sends for it (a
-        copy per node, on one link); as a heartbeat: never waiting on a node."""
-        self.path.send_beat(["coming", self.membership.session, seq, size * (self.settings.nnodes - 1)],
-                            self.membership.node_ids(), timeout)
+        """Tell every node, before the call (on a full node's queue, once it has
+        room: the call would wait for it too), that call ``seq`` of ``size`` bytes
+        follows (0: it will not), and how many bytes this leader sends for it (a
+        copy per node, on one link): see ``cluster.COMING_BYTES``. Until
+        ``timeout``, or the executor's failure or shutdown."""
+        self.path.tell_nodes(["coming", self.membership.session, seq, size * (self.settings.nnodes - 1)],
+                             self.membership.node_ids(), timeout, self.failure.cancel)
 
     def try_publish_to_nodes(self, frames: list, timeout: float) -> bool:
         """Send a call to the nodes only, within ``timeout``: whether it was queued."""

@@ -86,10 +86,11 @@ def _reader_off(r: int) -> int:
 
 
 _PAGE = max(4096, mmap.PAGESIZE)  # data on a page of its own: lent chunks map from it
-# What a message may take in a ring beyond its frames' bytes (its header, each frame's
-# padding to 64 bytes): a size further over ZBUS_MAX_MESSAGE that no buffer can hold is
-# taken for a stray write's, not for a message to read past.
-MESSAGE_LAYOUT_SLACK = 1 << 20
+# What a message may take in a ring beyond its frames' bytes (its header, and for each
+# of up to codec's 2**20 frames 8 bytes of length and up to 63 of padding): a size
+# further over ZBUS_MAX_MESSAGE that no buffer can hold is a stray write's, not a
+# message to read past.
+MESSAGE_LAYOUT_SLACK = 16 + 71 * codec._MAX_FRAMES
 
 
 def _data_offset(n_readers: int) -> int:
