@@ -52,9 +52,8 @@ EXIT_REPORT_S = 2.0  # how long a worker that closed its replies has to exit (an
 SHUTDOWN_WAIT_S = 60.0  # how long a second shutdown waits for the first (which bounds its own steps)
 FAILED_GRACE_S = 0.2  # how long a failed executor's workers get to end by themselves (then SIGTERM)
 # A large call's announcement to its nodes (cluster.COMING_BYTES) waits for a full node as
-# long as the call may (without a deadline: this long); its withdrawal, this long.
+# long as the call may (without a deadline: this long).
 SAY_COMING_S = 3600.0
-WITHDRAW_S = 1.0
 WorkerSpec = "type[Worker] | str"
 
 
@@ -1137,7 +1136,8 @@ class MultiprocExecutor(Executor):
                 self._pending.pop()
             self._seq = call.seq - 1
             if self._leader is not None and call.seq == self._announced:  # the nodes wait for it
-                self._leader.say_coming(call.seq, 0, WITHDRAW_S)
+                self._announced = 0
+                self._leader.withdraw_coming(call.seq)
             return
         call.sent = True
         ring = self._bcast.ring

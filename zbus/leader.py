@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .queues import Broadcaster, bind, bracket
 
 log = logging.getLogger(__name__)
+WITHDRAW_LOCK_S = 0.1  # how long a withdrawn announcement waits for the socket
 
 
 class Leader:
@@ -101,6 +102,14 @@ class Leader:
         ``timeout``, or the executor's failure or shutdown."""
         self.path.tell_nodes(["coming", self.membership.session, seq, size * (self.settings.nnodes - 1)],
                              self.membership.node_ids(), timeout, self.failure.cancel)
+
+    def withdraw_coming(self, seq: int) -> None:
+        """Call ``seq``, announced, will not come (its send timed out before it
+        went): to the nodes that have room now, never waiting on one (it runs as a
+        send fails, a Ctrl-C's too). A full node that misses it keeps the allowance
+        until the next call, which takes the same number."""
+        self.path.send_beat(["coming", self.membership.session, seq, 0], self.membership.node_ids(),
+                            WITHDRAW_LOCK_S)
 
     def try_publish_to_nodes(self, frames: list, timeout: float) -> bool:
         """Send a call to the nodes only, within ``timeout``: whether it was queued."""
