@@ -56,6 +56,16 @@ def relay() -> None:
         out(per_broadcast=sent / n, small_per_broadcast=small / n, payload=len(payload))
 
 
+def big_call(ex: zbus.Executor) -> None:
+    """A 64 MiB call: its answers and how long it took, or its error."""
+    start = time.monotonic()
+    try:
+        lens = ex.collective_rpc("tensor_len", args=(b"x" * (64 * 2**20),), timeout=120)
+        out(lens=lens, seconds=time.monotonic() - start)
+    except zbus.ZbusError as e:
+        out(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
+
+
 def big(wait_s: float = 0.0) -> None:
     """A 64 MiB call on links that take seconds to carry it (the test slows the
     leader's), with a liveness limit of 1 s; with ``wait_s``, announced that long
@@ -70,12 +80,7 @@ def big(wait_s: float = 0.0) -> None:
                 time.sleep(wait_s)  # (the leader heartbeats meanwhile)
                 return publish(*args, **kwargs)
             ex._bcast.publish_frames = late
-        start = time.monotonic()
-        try:
-            lens = ex.collective_rpc("tensor_len", args=(b"x" * (64 * 2**20),), timeout=120)
-            out(lens=lens, seconds=time.monotonic() - start)
-        except zbus.ZbusError as e:
-            out(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
+        big_call(ex)
 
 
 def big_behind_a_full_node(agent_pid: int) -> None:
@@ -99,12 +104,7 @@ def big_behind_a_full_node(agent_pid: int) -> None:
                 raise AssertionError("node 1's queue never filled")
         finally:
             threading.Timer(1.0, os.kill, args=(agent_pid, signal.SIGCONT)).start()
-        start = time.monotonic()
-        try:
-            lens = ex.collective_rpc("tensor_len", args=(b"x" * (64 * 2**20),), timeout=120)
-            out(lens=lens, seconds=time.monotonic() - start)
-        except zbus.ZbusError as e:
-            out(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
+        big_call(ex)
 
 
 def lost() -> None:

@@ -836,6 +836,17 @@ def test_a_welcome_over_a_nodes_message_limit_fails_the_start_at_once(monkeypatc
         end_process(proc)
 
 
+def seconds_to_a_lost_leader(node, driver, said: str, settle_s: float) -> float:
+    """Once ``driver`` printed ``said`` and ``settle_s`` more passed, SIGKILL it:
+    how long ``node``'s follower then took to end (1: its leader lost)."""
+    assert next_line(driver, time.monotonic() + 60).strip() == said
+    time.sleep(settle_s)
+    driver.kill()
+    killed = time.monotonic()
+    assert node.wait(20) == 1
+    return time.monotonic() - killed
+
+
 ANNOUNCED_NEVER_SENT = """
 import sys, time
 import workers, zbus
@@ -871,12 +882,7 @@ def test_a_call_announced_but_never_sent_is_withdrawn(tmp_path):
     node = follower(port, "--node-rank", "1")
     driver = spawn_python(ANNOUNCED_NEVER_SENT, str(port), stdout=subprocess.PIPE, text=True)
     try:
-        assert next_line(driver, time.monotonic() + 60).strip() == "announced, not sent"
-        time.sleep(0.5)  # (the withdrawal on its way)
-        driver.kill()
-        killed = time.monotonic()
-        assert node.wait(20) == 1
-        took = time.monotonic() - killed
+        took = seconds_to_a_lost_leader(node, driver, "announced, not sent", 0.5)  # (the withdrawal's way)
         assert took < 3.5, took
     finally:
         end_process(driver)
@@ -910,12 +916,7 @@ def test_a_large_call_read_ahead_ends_its_announcement(tmp_path):
     node = follower(port, "--node-rank", "1", env={"ZBUS_RING": "256x4"})
     driver = spawn_python(READ_AHEAD_WHILE_HELD, str(port), stdout=subprocess.PIPE, text=True)
     try:
-        assert next_line(driver, time.monotonic() + 60).strip() == "sent"
-        time.sleep(2)  # (64 MiB across loopback into the read-ahead: a fraction of that)
-        driver.kill()
-        killed = time.monotonic()
-        assert node.wait(20) == 1
-        took = time.monotonic() - killed
+        took = seconds_to_a_lost_leader(node, driver, "sent", 2.0)  # (64 MiB into the read-ahead: less)
         assert took < 3.5, took
     finally:
         end_process(driver)

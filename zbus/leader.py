@@ -97,7 +97,7 @@ class Leader:
     def say_coming(self, seq: int, size: int, timeout: float) -> None:
         """Tell every node, before the call (on a full node's queue, once it has
         room: the call would wait for it too), that call ``seq`` of ``size`` bytes
-        follows (0: it will not), and how many bytes this leader sends for it (a
+        follows, and how many bytes this leader sends for it (a
         copy per node, on one link): see ``cluster.COMING_BYTES``. Until
         ``timeout``, or the executor's failure or shutdown."""
         self.path.tell_nodes(["coming", self.membership.session, seq, size * (self.settings.nnodes - 1)],
