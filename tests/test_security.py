@@ -952,6 +952,28 @@ def wait_dropped(ex, at_least: int, timeout: float = 20) -> int:
     return ex._leader.dropped
 
 
+@contextlib.contextmanager
+def keyed_cluster_of_key_folders(tmp_path):
+    """A leader and followers 1 and 2, keyed by the folders of ``zbus keygen``,
+    one worker each, that answered a call: (executor, port, the followers' exit
+    codes, filled once the executor is shut down and they ended by themselves);
+    each follower ended by pid after."""
+    keygen(str(tmp_path), nodes=2)
+    port = free_port_pair()
+    procs = [follower(port, "--node-rank", str(r), "--curve-dir", str(tmp_path / f"node-{r}"))
+             for r in (1, 2)]
+    exits: list = []
+    try:
+        with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
+                           master_port=port, curve_dir=str(tmp_path / "leader"), join_timeout=60) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
+            yield ex, port, exits
+        exits += [p.wait(30) for p in procs]
+    finally:
+        for p in procs:
+            end_process(p)
+
+
 def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     """Node 2's key sends a reply, a death notice, a heartbeat, a gap report and a
     leaving notice for node 1 (rank 1), and a reply for rank 1 that cannot be
@@ -965,32 +987,22 @@ def test_a_node_key_cannot_speak_for_another_nodes_ranks(tmp_path):
     ``DataPath._checked_message`` (as before): it counts as ``unexpected-reply``."""
     from zbus.curve import NodeCurve
 
-    keygen(str(tmp_path), nodes=2)
-    port = free_port_pair()
-    procs = [follower(port, "--node-rank", str(r), "--curve-dir", str(tmp_path / f"node-{r}"))
-             for r in (1, 2)]
-    try:
-        with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
-                           master_port=port, curve_dir=str(tmp_path / "leader"), join_timeout=60) as ex:
-            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
-            before, session = ex._leader.dropped_by, ex._leader.path.session
-            forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
-                  [[session, 1, 10**6, 0, "forged"],  # and [session, 1, 10**6, 0, invalid]:
-                   b"\x95" + msgpack.packb(session) + bytes.fromhex("01ce000f424000c1"),
-                   ["died", 1, session, 1, 9], ["hb", 1, session], ["gap", 1, session, 1, 5],
-                   ["leaving", 1, session, "forged"], ["hb", 2, session],
-                   ["refused", "no-such-node", "a marker"]])
-            wait_until(lambda: ex._leader.dropped_by.get("stray-refused", 0) > before.get("stray-refused", 0),
-                       20, "the marker after the forged messages counted")
-            after = ex._leader.dropped_by
-            assert {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)} == {
-                "not-owner": 6, "stray-refused": 1}, after  # node 2's own heartbeat was taken
-            ex.check_health()
-            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
-        assert [p.wait(30) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            end_process(p)
+    with keyed_cluster_of_key_folders(tmp_path) as (ex, port, exits):
+        before, session = ex._leader.dropped_by, ex._leader.path.session
+        forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
+              [[session, 1, 10**6, 0, "forged"],  # and [session, 1, 10**6, 0, invalid]:
+               b"\x95" + msgpack.packb(session) + bytes.fromhex("01ce000f424000c1"),
+               ["died", 1, session, 1, 9], ["hb", 1, session], ["gap", 1, session, 1, 5],
+               ["leaving", 1, session, "forged"], ["hb", 2, session],
+               ["refused", "no-such-node", "a marker"]])
+        wait_until(lambda: ex._leader.dropped_by.get("stray-refused", 0) > before.get("stray-refused", 0),
+                   20, "the marker after the forged messages counted")
+        after = ex._leader.dropped_by
+        assert {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)} == {
+            "not-owner": 6, "stray-refused": 1}, after  # node 2's own heartbeat was taken
+        ex.check_health()
+        assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
+    assert exits == [0, 0]
 
 
 def test_a_nodes_reason_reaches_the_driver_without_its_escapes(tmp_path):
@@ -1001,22 +1013,12 @@ def test_a_nodes_reason_reaches_the_driver_without_its_escapes(tmp_path):
     the escapes are in the error."""
     from zbus.curve import NodeCurve
 
-    keygen(str(tmp_path), nodes=2)
-    port = free_port_pair()
-    procs = [follower(port, "--node-rank", str(r), "--curve-dir", str(tmp_path / f"node-{r}"))
-             for r in (1, 2)]
-    try:
-        with zbus.Executor(workers.EchoWorker, nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
-                           master_port=port, curve_dir=str(tmp_path / "leader"), join_timeout=60) as ex:
-            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11, 12]
-            forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
-                  [["leaving", 2, ex._leader.path.session, "\x1b]52;c;b3duZWQ=\x07gone\x1b[2J"]])
-            wait_until(lambda: ex.failure.error is not None, 20, "the executor failed")
-            assert isinstance(ex.failure.error, zbus.NodeLostError)
-            assert str(ex.failure.error).endswith("it left: ?]52;c;b3duZWQ=?gone?[2J"), str(ex.failure.error)
-    finally:
-        for p in procs:
-            end_process(p)
+    with keyed_cluster_of_key_folders(tmp_path) as (ex, port, _):
+        forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
+              [["leaving", 2, ex._leader.path.session, "\x1b]52;c;b3duZWQ=\x07gone\x1b[2J"]])
+        wait_until(lambda: ex.failure.error is not None, 20, "the executor failed")
+        assert isinstance(ex.failure.error, zbus.NodeLostError)
+        assert str(ex.failure.error).endswith("it left: ?]52;c;b3duZWQ=?gone?[2J"), str(ex.failure.error)
 
 
 def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkeypatch, caplog):

@@ -293,6 +293,11 @@ def _default(obj: Any) -> Any:
     return _local.encoder.default(obj)
 
 
+def nbytes(frames: Sequence[Any]) -> int:
+    """The bytes of a message's frames (what ``ZBUS_MAX_MESSAGE`` bounds)."""
+    return sum(memoryview(f).nbytes for f in frames)
+
+
 def encode(obj: Any) -> list[Any]:
     """Encode ``obj`` into frames: ``[header, *buffers]``. Buffers are views of the
     caller's memory, valid until the caller changes it: send before that (every

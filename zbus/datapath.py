@@ -274,7 +274,7 @@ class SentCalls:
         """Keep a copy of call ``seq`` (the caller may reuse its buffers; immutable
         bytes are kept as they are), and forget what ``node_ranks`` all have. A call
         over the limit is not copied: it and every call before it are forgotten."""
-        size = sum(memoryview(f).nbytes for f in frames)
+        size = codec.nbytes(frames)
         kept = [f if type(f) is bytes else bytes(f) for f in frames] if size <= self._limit else None
         with self._lock:
             if self._kept and self._kept[-1][0] == seq:  # (recorded twice: a Ctrl-C as it was)

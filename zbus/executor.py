@@ -1064,7 +1064,7 @@ class MultiprocExecutor(Executor):
                 raise ZbusError("executor is shut down")
             self.failure.raise_if_failed()  # or failed: the nodes must not run one call more
             payload = codec.encode((tuple(args), kwargs or {})) if args or kwargs else [protocol.NO_ARGS]
-            size = sum(memoryview(f).nbytes for f in payload)
+            size = codec.nbytes(payload)
             if size > self._max_args[0]:  # no rank could take it (a node's socket would drop)
                 raise CodecError(f"the arguments of {brief(method)} take {size} bytes, over the "
                                  f"{self._max_args[0]} that {self._max_args[1]} takes (ZBUS_MAX_MESSAGE)")

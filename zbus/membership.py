@@ -262,7 +262,7 @@ class Membership:
                 "master_addr": s.master_addr, "liveness_s": s.liveness_s,
                 "reply_address": self._reply_address, "max_reply": self.path.max_reply,
                 "session": self.session, **self._welcome_spec}]
-            size = sum(memoryview(f).nbytes for f in codec.encode(welcome))
+            size = codec.nbytes(codec.encode(welcome))
             limit = info.get("max_message", DEFAULT_MAX_MESSAGE)
             if size > limit:  # (its socket would drop it at each try, and the node join again)
                 raise CodecError(f"the welcome, with the worker's arguments, takes {size} bytes, over "

@@ -348,6 +348,15 @@ class Broadcaster:
             self.xpub.close(linger=int(linger_s * 1000))
 
 
+def checked_size(frames: Sequence[Any], limit: int | None, whose: str) -> int:
+    """The bytes of a message to send; CodecError if over ``limit``, which ``whose``
+    reader takes (it would read it whole, or drop it with its connection, then refuse it)."""
+    size = codec.nbytes(frames)
+    if limit is not None and size > limit:
+        raise CodecError(f"a message of {size} bytes is over the {limit} bytes {whose}")
+    return size
+
+
 class ShmSender:
     """Writing end of a single-reader shared-memory response queue."""
 
@@ -359,10 +368,7 @@ class ShmSender:
         ``ZBUS_MAX_MESSAGE``, which this node's driver shares (it would read it
         whole, then refuse it)."""
         frames = codec.encode(obj)
-        size = sum(memoryview(f).nbytes for f in frames)
-        if size > codec.MAX_MESSAGE:
-            raise CodecError(f"a message of {size} bytes is over the {codec.MAX_MESSAGE} bytes the "
-                             "driver takes (ZBUS_MAX_MESSAGE)")
+        checked_size(frames, codec.MAX_MESSAGE, "the driver takes (ZBUS_MAX_MESSAGE)")
         self.ring.send(frames, timeout)
 
     def close(self) -> None:
@@ -435,10 +441,7 @@ class ZmqSender:
         """Send one message; its size. CodecError, sending nothing, if it is over the
         reader's limit (the reader would drop it, with the connection if one frame is
         over); Cancelled once ``cancel`` (an Event) is set while it waits."""
-        size = sum(memoryview(f).nbytes for f in frames)
-        if self.max_bytes is not None and size > self.max_bytes:
-            raise CodecError(f"a message of {size} bytes is over the {self.max_bytes} bytes the "
-                             "leader takes (ZBUS_MAX_REPLY on the leader)")
+        size = checked_size(frames, self.max_bytes, "the leader takes (ZBUS_MAX_REPLY on the leader)")
         send_frames(self.sock, frames, deadline_of(timeout), "response send", cancel)
         return size
 
