@@ -55,8 +55,11 @@ def test_keygen_makes_the_folders(tmp_path):
     (["demo", "--nnodes", "0"], "--nnodes: '0': expected a whole"),
     (["demo", "--metrics-port", "70000"], "--metrics-port: '70000': expected a port from 1 to 65535"),
     (["bench", "--seconds", "inf"], "--seconds: 'inf': expected a positive number of seconds"),
+    (["bench", "--from-json", "{tmp}/bad.json"], "bad.json: not the rows of 'zbus bench --json' (JSONDecode"),
+    (["bench", "--from-json", "{tmp}/list.json"], "list.json: not the rows of 'zbus bench --json' (TypeE"),
 ], ids=["demo-steps", "demo-nproc", "keygen-nodes", "bench-scenario", "follower-nproc", "follower-port",
-        "status-port", "demo-nnodes", "demo-metrics-port", "bench-seconds"])
+        "status-port", "demo-nnodes", "demo-metrics-port", "bench-seconds", "bench-from-bad-json",
+        "bench-from-other-json"])
 def test_a_bad_flag_is_refused_before_anything_runs(argv, says, tmp_path):
     """Counts are at least 1 and every scenario name is known before anything runs.
     Before: ``demo --steps 0`` ran a whole cluster, then failed on the median of
@@ -64,7 +67,11 @@ def test_a_bad_flag_is_refused_before_anything_runs(argv, says, tmp_path):
     first. Sabotage: ``type=int`` for ``--steps``, ``--nproc-per-node`` or
     ``--nodes`` -> a traceback, exit 1 (``zbus.demo.run``'s or keygen's own
     ValueError); the scenario check inside the loop of ``zbus.bench.run`` ->
-    "running import" first."""
+    "running import" first. ``bench --from-json`` of a file that is not JSON, or
+    JSON of another shape, was a traceback; sabotage: no ``except`` round
+    ``load_rows`` in ``zbus.bench.run``."""
+    (tmp_path / "bad.json").write_text("not json")
+    (tmp_path / "list.json").write_text("[1]")
     argv = [a.format(tmp=tmp_path) for a in argv]
     out = subprocess.run([sys.executable, "-m", "zbus.cli", *argv], capture_output=True, text=True,
                          timeout=60)
@@ -84,14 +91,22 @@ SECRET = "0123456789abcdef" * 2
     (["follower"], {"ZBUS_NNODES": "two"}, "ZBUS_NNODES='two': expected a whole number"),
     (["follower"], {"ZBUS_NODE_RANK": "x"}, "ZBUS_NODE_RANK='x': expected a whole number"),
     (["follower"], {"ZBUS_LIVENESS_S": "fast"}, "ZBUS_LIVENESS_S='fast': expected a number"),
-    (["follower", "--node-rank", "0"], {"ZBUS_SECRET": SECRET}, "needs its rank, 1 or more"),
+    (["follower", "--node-rank", "0"], {"ZBUS_SECRET": SECRET}, "node rank 0: a follower's rank is 1 or"),
+    (["follower"], {"ZBUS_SECRET": SECRET}, "with a cluster secret this node needs its rank"),
+    (["follower", "--node-rank", "-1"], {}, "node rank -1: a follower's rank is 1 or more"),
+    (["follower", "--master-addr", "127.0.0.1", "--curve-dir", "{tmp}/bad"], {},
+     "node.key_secret is no key file of 'zbus keygen'"),
+    (["follower", "--master-addr", "127.0.0.1", "--curve-dir", "{tmp}/short"], {}, "not 40 Z85 characters"),
+    (["status", "--curve-dir", "{tmp}/bad", "--timeout", "0.2"], {}, "is no key file of 'zbus keygen'"),
+    (["status", "--master-addr", "leader..local", "--timeout", "0.2"], {}, "cannot resolve 'leader..local'"),
     (["demo"], {"ZBUS_NPROC_PER_NODE": "zz"}, "ZBUS_NPROC_PER_NODE='zz': expected a whole number"),
     (["demo"], {"ZBUS_NPROC_PER_NODE": "0"}, "nproc_per_node (0) must be at least 1"),
     (["demo", "--nnodes", "2", "--master-port", "1"], {"ZBUS_SECRET": SECRET, "ZBUS_CURVE_DIR": "/none"},
      "give a cluster secret or a key folder"),
 ], ids=["keygen-not-empty", "status-no-secret-file", "follower-no-keys", "follower-port-setting",
-        "status-port-not-a-number", "nnodes", "node-rank", "liveness", "secret-node-rank-0", "demo-nproc",
-        "demo-nproc-0", "demo-secret-and-keys"])
+        "status-port-not-a-number", "nnodes", "node-rank", "liveness", "node-rank-0", "secret-no-node-rank",
+        "node-rank-below-0", "follower-bad-key-file", "follower-short-key", "status-bad-key-file",
+        "status-malformed-host", "demo-nproc", "demo-nproc-0", "demo-secret-and-keys"])
 def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp_path):
     """A key folder or secret file that is not there, a folder keygen would
     overwrite, a port setting out of range or not a number: the command says so in
@@ -104,13 +119,29 @@ def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp
     A follower with a secret and node rank 0, whose key no leader admits, waited
     out its join timeout (300 s). Sabotage: no ``except`` around ``args.func`` in
     ``zbus.cli.main``; ``int(...)`` back in ``ClusterSettings.resolve``; no rank
-    check in ``NodeAgent._keys``."""
+    check in ``NodeAgent._keys``.
+
+    A key file that is not one (ZeroMQ's ValueError, or a key ZeroMQ refuses later
+    as EINVAL), a host name of an empty label (idna's UnicodeError, where the
+    docs promise the resolve error) and a node rank below 1 were tracebacks or a
+    whole cluster's failed start (-1 is "any" on the wire); ``zbus status`` asked
+    "is the leader running?" of a key or secret it could not read. Sabotage: no
+    ``except ValueError`` or no length check in ``zbus.curve._load``; only
+    ``gaierror`` in ``resolve_ip``; no rank check in ``NodeAgent.__init__``; the
+    keys loaded inside ``_status``'s ``try``."""
     (tmp_path / "x").touch()
+    for folder, text in (("bad", "not a key\n"), ("short", 'curve\n    public-key = "abc"\n'
+                                                           '    secret-key = "def"\n')):
+        (tmp_path / folder).mkdir()
+        for name in ("node.key_secret", "node.key", "leader.key"):
+            (tmp_path / folder / name).write_text(text)
     argv = [a.format(tmp=tmp_path) for a in argv]
     out = subprocess.run([sys.executable, "-m", "zbus.cli", *argv], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, **env))
     assert out.returncode == 1 and f"zbus {argv[0]}: " in out.stderr and says in out.stderr, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
+    if argv[0] == "status":  # (the hint is for a leader it cannot reach, not a key it cannot read)
+        assert ("Is the leader running" in out.stderr) == ("resolve" in says), out.stderr
 
 
 def pending_signals(pid: int) -> int:
@@ -188,6 +219,38 @@ def test_a_follower_that_is_pid_1_of_its_container_ends_on_sigterm(tmp_path):
         if outer.poll() is None:
             outer.kill()
         end_process(outer)
+
+
+def test_ctrl_c_ends_a_follower_with_130_and_no_traceback(tmp_path):
+    """Ctrl-C to a follower waiting for its leader: it cleans up and exits 130,
+    quietly. Before, ``zbus.cli.main`` let the KeyboardInterrupt out: a traceback
+    (three from ``zbus demo``, whose followers share its terminal), exit -2.
+    Sabotage: no ``except KeyboardInterrupt`` in ``zbus.cli.main``."""
+    from zbus.cluster import free_port_pair
+
+    health = tmp_path / "health"  # touched at each try to join: its handlers are in place by then
+    env = dict(os.environ, ZBUS_MASTER_ADDR="127.0.0.1", ZBUS_MASTER_PORT=str(free_port_pair()),
+               ZBUS_HEALTH_FILE=str(health))
+    proc = subprocess.Popen([sys.executable, "-m", "zbus.cli", "follower", "--join-timeout", "60"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(health.exists, 30, "the follower trying to join")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 130
+        said = proc.stderr.read()
+        assert "Traceback" not in said and "KeyboardInterrupt" not in said, said
+    finally:
+        end_process(proc)
+
+
+def test_a_command_that_needs_torch_says_so_in_one_line():
+    """torch is an extra (``zbus[torch]``): ``zbus demo`` without it was a
+    ModuleNotFoundError traceback. Sabotage: no ``except ModuleNotFoundError`` in
+    ``zbus.cli.main``."""
+    code = "import sys; sys.modules['torch'] = None; from zbus.cli import main; sys.exit(main(['demo']))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "zbus demo: needs torch" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
 
 
 def test_settings_left_empty_count_as_unset_and_bad_flags_are_usage_errors():

@@ -319,6 +319,57 @@ def test_settings_come_from_zbus_then_leaderworkerset_variables(monkeypatch):
         agent._close()
 
 
+def test_a_follower_takes_its_settings_as_an_operator_writes_them(monkeypatch):
+    """``ZBUS_ALLOW_WORKERS="a, b"`` allows ``b`` (it allowed " b", so the node
+    refused ``b``'s workers and the whole start failed); a node rank under 1 is
+    refused by name (-1 went on the wire as "any", the leader gave it a rank and
+    the node refused its welcome: the cluster's start failed). Sabotage: no
+    ``strip`` in ``NodeAgent.__init__`` -> ``workers:EchoWorker`` refused; no rank
+    check there -> no SettingError."""
+    from zbus.agent import NodeAgent
+
+    monkeypatch.setenv("ZBUS_ALLOW_WORKERS", "zbus.bench, workers ,")
+    agent = NodeAgent(master_addr="127.0.0.1")
+    try:
+        agent._check_worker("workers:EchoWorker")
+        with pytest.raises(zbus.ZbusError, match="is not allowed on this node"):
+            agent._check_worker("other:Worker")
+    finally:
+        agent._close()
+    for rank in (0, -1):
+        monkeypatch.setenv("ZBUS_NODE_RANK", str(rank))
+        with pytest.raises(zbus.SettingError, match=f"node rank {rank}: a follower's rank is 1 or more"):
+            NodeAgent(master_addr="127.0.0.1")
+
+
+@pytest.mark.timeout(60)
+def test_a_followers_join_timeout_bounds_resolving_and_joining_together(monkeypatch):
+    """The leader's name resolves only after 2 s of a 3 s join timeout, and no
+    leader answers: the follower gives up 3 s after it began. Before, resolving
+    and joining had a timeout each (up to twice the limit: 5 s here). Sabotage: a
+    deadline of its own in ``NodeAgent._join`` after ``_connect`` -> 5 s. (The
+    resolver is the one thing stood in for: no name here resolves late.)"""
+    import zbus.agent
+    from zbus.agent import NodeAgent
+
+    began = time.monotonic()
+
+    def resolve_late(host: str) -> str:
+        if time.monotonic() < began + 2.0:
+            raise zbus.ZbusError(f"cannot resolve {host!r}: not yet")
+        return "127.0.0.1"
+
+    monkeypatch.setattr(zbus.agent, "resolve_ip", resolve_late)
+    agent = NodeAgent(master_addr="leader", master_port=free_port_pair(), node_rank=1, join_timeout=3.0)
+    try:
+        with pytest.raises(zbus.ZbusError, match="no leader answered"):
+            agent._join()
+        took = time.monotonic() - began
+    finally:
+        agent._close()
+    assert 2.0 < took < 4.2, f"gave up after {took:.1f} s of a 3 s join timeout"
+
+
 def test_explicit_settings_win_over_defaults_and_bad_ones_are_refused(monkeypatch):
     """Sabotage: resolve with ``master_port or env or default`` again: port 0 becomes
     29650 silently, liveness_s=0 becomes 10, and no ValueError is raised. A liveness

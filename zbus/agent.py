@@ -43,7 +43,7 @@ from .cluster import (
 )
 from .config import MAX_POLL_S, RingGeometry, WaitPolicy
 from .curve import FRAME_SLACK, NodeCurve, curve_dir_from_env, secret_from_env
-from .errors import Cancelled, CodecError, RingClosed, ZbusError, brief
+from .errors import Cancelled, CodecError, RingClosed, SettingError, ZbusError, brief
 from .processes import LocalWorkers, with_gloo_ifname
 from .queues import bracket, send_message
 from .ring import RingWriter
@@ -165,10 +165,15 @@ class NodeAgent:
         self.settings = ClusterSettings.resolve(None, nproc_per_node, master_addr, master_port)
         self.node_rank = typed_setting(int, "--node-rank", node_rank, None, "ZBUS_NODE_RANK",
                                        "LWS_WORKER_INDEX")
+        if self.node_rank is not None and self.node_rank < 1:  # (-1 on the wire is "any": the leader
+            # would give it a rank this node then refuses, failing the whole cluster's start)
+            raise SettingError(f"node rank {self.node_rank}: a follower's rank is 1 or more (0 is the "
+                               "leader's; leave it unset to be given one in join order)")
         self.advertise_addr = advertise_addr or os.environ.get("ZBUS_ADVERTISE_ADDR")
         self.join_timeout = join_timeout
         self.allow_import_calls = allow_import_calls
-        env_allowed = tuple(p for p in os.environ.get("ZBUS_ALLOW_WORKERS", "").split(",") if p)
+        listed = os.environ.get("ZBUS_ALLOW_WORKERS", "").split(",")
+        env_allowed = tuple(p for p in map(str.strip, listed) if p)
         self.allowed_workers = DEFAULT_ALLOWED_WORKERS + tuple(allowed_workers or ()) + env_allowed
         explicit_dir = curve_dir and not (secret or secret_file)  # an argument beats ZBUS_SECRET
         self.curve = self._keys(curve_dir_from_env(curve_dir),
@@ -210,7 +215,7 @@ class NodeAgent:
         if secret and curve_dir:
             raise ZbusError("give a cluster secret or a key folder (--curve-dir), not both")
         if secret:
-            if self.node_rank is None or self.node_rank < 1:  # (0 is the leader's; -1, any, cannot be)
+            if self.node_rank is None:
                 raise ZbusError(f"with a cluster secret this node needs its rank, 1 or more (--node-rank, "
                                 f"ZBUS_NODE_RANK; got {self.node_rank}): its key is derived for that rank")
             return NodeCurve.from_secret(secret, self.node_rank)
@@ -248,9 +253,8 @@ class NodeAgent:
         finally:
             self._close()
 
-    def _connect(self) -> str:
+    def _connect(self, deadline: float) -> str:
         s = self.settings
-        deadline = time.monotonic() + self.join_timeout
         while True:  # the leader's name may not resolve before its container starts
             try:
                 master_ip = resolve_ip(s.master_addr)
@@ -260,7 +264,7 @@ class NodeAgent:
                     raise
                 log.warning("%s; retrying", e)
                 touch_health()  # waiting for the leader is healthy: no probe may restart us
-                time.sleep(1.0)
+                time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
         self.sub = self.ctx.socket(zmq.SUB)
         self.push = self.ctx.socket(zmq.PUSH)
         for sock in (self.sub, self.push):
@@ -283,14 +287,14 @@ class NodeAgent:
         return master_ip
 
     def _join(self) -> dict:
-        master_ip = self._connect()
+        deadline = time.monotonic() + self.join_timeout  # (one limit: to resolve, reach and be welcomed)
+        master_ip = self._connect(deadline)
         address, ifname = route_to(master_ip)
         self.ifname = ifname
         info = {"version": protocol.PROTOCOL_VERSION, "nproc": self.settings.nproc_per_node,
                 "host": socket.gethostname(), "address": self.advertise_addr or address,
                 "node_rank": -1 if self.node_rank is None else self.node_rank, "pid": os.getpid(),
                 "core": ring.CORE, "max_message": codec.MAX_MESSAGE}
-        deadline = time.monotonic() + self.join_timeout
         log.info("joining leader %s:%d as %s (%s via %s)", self.settings.master_addr,
                  self.settings.master_port, info["host"], info["address"], ifname)
         next_try, tries = 0.0, 0

@@ -830,10 +830,16 @@ CLUSTER_SETTINGS = ("ZBUS_NNODES", "ZBUS_NPROC_PER_NODE", "ZBUS_MASTER_ADDR", "Z
 def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = sys.stdout,
         plot_path: str | None = None, from_json: str | None = None, markdown: bool = False) -> int:
     if from_json:  # only redraw from an earlier run
-        rows = load_rows(from_json)
-        print(format_markdown(rows) if markdown else format_table(rows), file=out)
-        if plot_path:
-            plot_svg(rows, plot_path)
+        try:
+            rows = load_rows(from_json)
+            text = format_markdown(rows) if markdown else format_table(rows)
+            if plot_path:
+                plot_svg(rows, plot_path)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # (json's errors are ValueErrors)
+            print(f"--from-json {from_json}: not the rows of 'zbus bench --json' "
+                  f"({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
+            return 2
+        print(text, file=out)
         return 0
     unknown = [name for name in scenarios if name not in SCENARIOS]
     if unknown:  # (before any runs: a typo must not cost the scenarios before it)

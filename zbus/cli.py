@@ -40,14 +40,17 @@ def _status(args: argparse.Namespace) -> int:
     import json
 
     from .cluster import ClusterSettings, query_status
-    from .curve import curve_dir_from_env, secret_from_env
+    from .curve import NodeCurve, curve_dir_from_env, secret_from_env
     from .errors import ZbusError
 
     s = ClusterSettings.resolve(master_addr=args.master_addr, master_port=args.master_port)
-    try:
-        secret = None if args.curve_dir else secret_from_env(path=args.secret_file)
-        status = query_status(s.master_addr, s.master_port, args.timeout, curve_dir_from_env(args.curve_dir),
-                              secret)
+    # (a key or secret it cannot read is said by main, without the hint below)
+    secret = None if args.curve_dir else secret_from_env(path=args.secret_file)
+    curve_dir = curve_dir_from_env(args.curve_dir)
+    curve = NodeCurve.from_secret(secret, 1) if secret else (NodeCurve.from_dir(curve_dir) if curve_dir
+                                                              else None)
+    try:  # (any node's key may ask: rank 1's)
+        status = query_status(s.master_addr, s.master_port, args.timeout, curve)
     except (TimeoutError, ZbusError) as e:
         print(f"zbus status: {e}. Is the leader running, and are --master-addr/--master-port "
               "its address and first port?", file=sys.stderr)
@@ -268,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("zbus.cli").debug("%s failed", args.command, exc_info=True)
         print(f"zbus {args.command}: {e}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        print(f"zbus {args.command}: needs torch, which zbus itself does not install "
+              "(pip install 'zbus[torch]')", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: each command cleaned up as it ended; no traceback
+        return 128 + signal.SIGINT
 
 
 def _exit_on_sigterm() -> None:

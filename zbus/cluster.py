@@ -206,7 +206,7 @@ def resolve_ip(host: str) -> str:
     """An IP address for ``host`` (ZeroMQ binds to addresses, not host names)."""
     try:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except socket.gaierror as e:
+    except (socket.gaierror, UnicodeError) as e:  # (UnicodeError: an empty label, or one too long)
         raise ZbusError(f"cannot resolve {host!r}: {e}") from e
 
 
@@ -284,22 +284,18 @@ def check_exposure(bind_ip: str, keyed: bool, insecure: bool) -> None:
                 "start the allowed worker classes on the followers", bind_ip)
 
 
-def query_status(master_addr: str, master_port: int, timeout: float = 10.0,
-                 curve_dir: str | None = None, secret: bytes | None = None) -> dict:
+def query_status(master_addr: str, master_port: int, timeout: float = 10.0, curve: Any = None) -> dict:
     """Ask a running leader for its status (``zbus status``): subscribe to an
-    answer topic of our own, then ask on the leader's PULL port until it answers."""
-    from .curve import NodeCurve
-
+    answer topic of our own, then ask on the leader's PULL port until it answers;
+    with ``curve`` (a :class:`zbus.curve.NodeCurve`) as that node, to a keyed leader."""
     token = secrets.token_hex(8)
     ip = resolve_ip(master_addr)
     ctx = zmq.Context()
     try:
         sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
         for sock in (sub, push):
-            if secret:  # any node key may ask: rank 1's
-                NodeCurve.from_secret(secret, 1).client(sock)
-            elif curve_dir:
-                NodeCurve.from_dir(curve_dir).client(sock)
+            if curve is not None:
+                curve.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IPV6, ":" in ip)
         sub.setsockopt(zmq.SUBSCRIBE, STATUS_TOPIC + token.encode())
