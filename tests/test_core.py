@@ -230,6 +230,26 @@ def test_a_ring_carries_messages_between_ends_on_different_cores(monkeypatch, wr
     assert results[0]["digest"] == results[1]["digest"]
 
 
+@needs_core
+def test_a_frame_of_no_contiguous_buffer_is_refused_alike_by_both_cores(monkeypatch):
+    """A strided numpy array as a frame: both cores raise TypeError and the ring
+    stays usable. Before, the compiled one let numpy's ValueError ("not
+    C-contiguous") out, where memoryview's BufferError takes the Python path.
+    Sabotage: only BufferError taken as "not contiguous" in ``get_parts`` ->
+    ValueError."""
+    np = pytest.importorskip("numpy")
+    strided = np.arange(64, dtype=np.uint8)[::2]
+    writer = RingWriter.create(1, RingGeometry(4096, 4))
+    try:
+        for write in (core.write_message, ring._write_message_py):
+            monkeypatch.setattr(ring, "_write_message", write)
+            with pytest.raises(TypeError):
+                writer.send([b"head", strided], timeout=5)
+        writer.send([b"head", strided.copy()], timeout=5)  # (a contiguous copy goes)
+    finally:
+        writer.close()
+
+
 # --- the relay: one call from a ZeroMQ socket straight into the ring ----------------
 
 @pytest.fixture(scope="module")

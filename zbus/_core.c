@@ -112,7 +112,9 @@ static Py_ssize_t get_parts(PyObject *frames, Py_buffer *parts, Py_ssize_t *lens
             PyObject *part = is_tuple ? PyTuple_GET_ITEM(frame, k) : frame;
             if (PyObject_GetBuffer(part, &parts[np], PyBUF_C_CONTIGUOUS) < 0) {
                 Py_DECREF(frame);
-                if (!PyErr_ExceptionMatches(PyExc_BufferError))
+                /* (numpy says ValueError where memoryview says BufferError: the Python
+                 * path then answers as its twin does) */
+                if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError))
                     goto fail;
                 PyErr_Clear();
                 goto too_many;

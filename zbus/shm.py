@@ -389,6 +389,15 @@ def _machine_fence() -> Callable[[], None] | None:
         return None
     page.write(code)
     address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    if code == _FENCE_CODE["aarch64"]:
+        # An ARM core may fetch stale instructions from a page just written as data
+        # (the zeros the kernel synced when it mapped it: SIGILL) until the
+        # instruction cache is synced, as libffi does for its own trampolines.
+        try:
+            ctypes.CDLL("libgcc_s.so.1").__clear_cache(ctypes.c_void_p(address),
+                                                       ctypes.c_void_p(address + len(code)))
+        except (OSError, AttributeError):
+            return None
     func = ctypes.CFUNCTYPE(None)(address)
     func._zbus_page = page  # keep the page mapped as long as the function lives
     return func
