@@ -663,6 +663,21 @@ def test_a_non_blocking_call_fails_by_itself_at_its_timeout(ex):
     assert ex.collective_rpc("rank_value", args=(8,), timeout=10) == [80, 81]
 
 
+def test_a_non_blocking_call_behind_a_stream_of_quick_calls_fails_at_its_timeout(ex):
+    """30 calls of 20 ms each, then one with a 0.2 s timeout that no one waits on
+    with ``result()``: it fails with TimeoutError when its time is past, though
+    every call ahead of it was answered within a wait's 50 ms slice. Before, only a
+    slice that ended without its head's replies checked the calls behind it: this
+    one was never checked, and got its result at about 0.6 s. Sabotage: no
+    ``_expire_due()`` in ``_complete_head`` -> its result, no TimeoutError."""
+    ahead = [ex.collective_rpc("sleep", args=(0.02,), non_block=True) for _ in range(30)]
+    late = ex.collective_rpc("rank_value", args=(1,), non_block=True, timeout=0.2)
+    done, _ = concurrent.futures.wait([late], timeout=30)
+    assert late in done and isinstance(late.exception(), TimeoutError), late
+    assert [f.result(timeout=30) for f in ahead] == [[0, 1]] * 30
+    assert ex.collective_rpc("rank_value", args=(7,), timeout=10) == [70, 71]
+
+
 def test_overdue_counts_the_calls_past_their_timeout_not_those_pending(ex):
     """``overdue``: calls whose timeout passed without all their replies (a worker
     stuck: later replies queue behind them), not calls merely pending. Sabotage:
@@ -933,7 +948,7 @@ def test_an_inproc_shutdown_fails_the_calls_still_waiting_for_an_answer():
     assert "shut down" in str(pending.exception(timeout=0))
 
 
-def test_an_inproc_call_whose_answer_never_comes_times_out_by_itself_and_ends_nothing_later():
+def test_an_inproc_call_whose_answer_never_comes_times_out_by_itself_and_ends_nothing_later(monkeypatch):
     """``backend="inproc"``: a non-blocking call with a timeout whose method
     returned a Future that never completes fails by itself with TimeoutError at
     that timeout, as the other backend's calls do; the shutdown then ends the
@@ -941,12 +956,28 @@ def test_an_inproc_call_whose_answer_never_comes_times_out_by_itself_and_ends_no
     the shutdown (no one expired it), and the thread waited on the Future for
     the rest of the process. Sabotage: no timer in ``InprocExecutor.collective_rpc``
     -> not done within 5 s; ``result.result()`` in ``ReplyPipe._drain`` again ->
-    the thread lives on."""
+    the thread lives on. A done-callback's KeyboardInterrupt, run by the timer, is
+    logged as on zbus's other threads; it escaped the timer thread (named as any
+    thread, not "zbus-"). Sabotage: no name for the timer -> the thread's
+    excepthook sees it."""
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_type))
     ex = zbus.Executor(EchoWorker, backend="inproc")
     try:
         future = ex.collective_rpc("never", non_block=True, timeout=0.3)
+        ran = threading.Event()
+
+        def interrupt(_: object) -> None:
+            ran.set()
+            raise KeyboardInterrupt
+
+        future.add_done_callback(interrupt)
         done, _ = concurrent.futures.wait([future], 5)
         assert done and isinstance(future.exception(timeout=0), TimeoutError)
+        assert ran.wait(5)
+        for timer in [t for t in threading.enumerate() if isinstance(t, threading.Timer)]:
+            timer.join(5)  # (its end, where an escaped exception would be seen)
+        assert escaped == []
     finally:
         ex.shutdown()
     ex._replies.thread.join(5)

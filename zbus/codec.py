@@ -44,7 +44,7 @@ _MAX_FRAMES = 1 << 20
 # the extension and its list). Each extension level is also a nested msgpack unpack
 # using ~40 KiB of C stack: 64 of them fit the 8 MiB of a thread's stack.
 MAX_DEPTH = 64
-BUDGET_FACTOR = 4  # a decode copies at most this many times the message size (+ 1 MiB)
+BUDGET_FACTOR = 4  # a decode holds copies of at most this many times the message size (+ 1 MiB)
 # The Python objects a header becomes may take at most OBJECTS_MIN bytes plus
 # OBJECTS_FACTOR times the header's size, as estimated from each item by the walk of
 # the header (_walk): one byte of msgpack can become a 64-byte empty dict, so 256 MiB
@@ -365,31 +365,37 @@ class _Decoder:
         return view if not view.readonly else self.copy(view)
 
     def ext(self, code: int, data: bytes) -> Any:
-        self.spend(len(data))  # msgpack hands each body over as a copy: nesting copies again
-        if data and data[0] in _EXT_BYTES:
-            # (every body is a list) One extension right inside another would nest a
-            # msgpack unpacker (tens of KiB of C stack) per level the depth check
-            # counts: 64, a crash on a thread stack of 2 MiB; a list between keeps it to 32.
-            raise CodecError(f"extension type {code} right inside another")
-        if self.plain and code not in _PLAIN_EXTS:
-            raise CodecError(f"extension type {code} (a tensor, array or registered type) where plain "
-                             "data alone may come")
-        body = self.unpack(data)
-        if code == _TUPLE and type(body) is list:
-            return self._count_hash(tuple(body))
-        if code == _BYTES:
-            return self._bytes(body)
-        if code == _TENSOR:
-            return self._tensor(body)
-        if code == _NDARRAY:
-            return self._ndarray(body)
-        if code == _DATACLASS:
-            return self._count_hash(self._dataclass(body))
-        if code == _OBJECT:
-            return self._count_hash(self._object(body))
-        if code == _EXCEPTION and _shape(body, str, str, str):
-            return ExceptionInfo(*body)
-        raise CodecError(f"unknown or malformed extension type {code}")
+        # msgpack hands each body over as a copy, nesting copies again, and frees it
+        # once this returns: what counts is the bodies held at once (those around this
+        # one), not every one made (a list of 4000 records makes 4000 copies in turn)
+        self.spend(len(data))
+        try:
+            if data and data[0] in _EXT_BYTES:
+                # (every body is a list) One extension right inside another would nest a
+                # msgpack unpacker (tens of KiB of C stack) per level the depth check
+                # counts: 64, a crash on a thread stack of 2 MiB; a list between keeps it to 32.
+                raise CodecError(f"extension type {code} right inside another")
+            if self.plain and code not in _PLAIN_EXTS:
+                raise CodecError(f"extension type {code} (a tensor, array or registered type) where plain "
+                                 "data alone may come")
+            body = self.unpack(data)
+            if code == _TUPLE and type(body) is list:
+                return self._count_hash(tuple(body))
+            if code == _BYTES:
+                return self._bytes(body)
+            if code == _TENSOR:
+                return self._tensor(body)
+            if code == _NDARRAY:
+                return self._ndarray(body)
+            if code == _DATACLASS:
+                return self._count_hash(self._dataclass(body))
+            if code == _OBJECT:
+                return self._count_hash(self._object(body))
+            if code == _EXCEPTION and _shape(body, str, str, str):
+                return ExceptionInfo(*body)
+            raise CodecError(f"unknown or malformed extension type {code}")
+        finally:
+            self.budget += len(data)
 
     def _count_hash(self, value: Any) -> Any:
         """``value``, counted if it differs from the first value of its hash: past
@@ -509,8 +515,8 @@ def decode(frames: Sequence[Any], max_bytes: int | None = None, plain: bool = Fa
     nothing is loaded or built for them.
 
     Each buffer frame is used at most once, and what decoding copies (read-only
-    frames, extension bodies, bytearrays) stays within ``BUDGET_FACTOR`` times the
-    message size plus 1 MiB. Tensors, arrays and memoryviews use a writable frame
+    frames, bytearrays, and the extension bodies held at once) stays within
+    ``BUDGET_FACTOR`` times the message size plus 1 MiB. Tensors, arrays and memoryviews use a writable frame
     in place: pass only frames that belong to this message alone (a private ring
     buffer, a ZeroMQ frame received with ``copy=False``); read-only ones are copied."""
     limit = MAX_MESSAGE if max_bytes is None else max_bytes

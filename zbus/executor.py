@@ -543,7 +543,7 @@ class InprocExecutor(Executor):
             return call.future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if deadline is not None and not call.done():  # its future fails by itself at its timeout
             timer = threading.Timer(max(0.0, deadline - time.monotonic()), call.expire)
-            timer.daemon = True
+            timer.daemon, timer.name = True, "zbus-expire"  # (zbus's: what a callback lets out is logged)
             timer.start()
             call.future.add_done_callback(lambda _: timer.cancel())
         return call.future
@@ -1253,6 +1253,8 @@ class MultiprocExecutor(Executor):
         if self._leader is not None:  # replies to it from ranks it did not ask are dropped
             self._leader.path.answered = head.seq
         head.finish()  # (unless settled already: by the monitor, or by an early error)
+        if self._pending:  # (heads answered each within a wait's slice end no slice to check the rest)
+            self._expire_due()
 
     def _take_reply(self, head: Call, rank: int, deadline: float | None) -> None:
         """Read the reply of ``rank`` to ``head`` and keep it in the call; then its
