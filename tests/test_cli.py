@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -97,15 +98,18 @@ SECRET = "0123456789abcdef" * 2
     (["follower", "--master-addr", "127.0.0.1", "--curve-dir", "{tmp}/bad"], {},
      "node.key_secret is no key file of 'zbus keygen'"),
     (["follower", "--master-addr", "127.0.0.1", "--curve-dir", "{tmp}/short"], {}, "not 40 Z85 characters"),
+    (["follower", "--master-addr", "127.0.0.1", "--curve-dir", "{tmp}/cut"], {}, "is no key file of 'zbus"),
+    (["follower", "--master-addr", "127.0.0.1", "--curve-dir", "{tmp}/overflow"], {}, "not 40 Z85 character"),
     (["status", "--curve-dir", "{tmp}/bad", "--timeout", "0.2"], {}, "is no key file of 'zbus keygen'"),
-    (["status", "--master-addr", "leader..local", "--timeout", "0.2"], {}, "cannot resolve 'leader..local'"),
+    (["status", "--master-addr", "leader..local", "--timeout", "0.2"], {}, "'leader..local' is no host name"),
     (["demo"], {"ZBUS_NPROC_PER_NODE": "zz"}, "ZBUS_NPROC_PER_NODE='zz': expected a whole number"),
     (["demo"], {"ZBUS_NPROC_PER_NODE": "0"}, "nproc_per_node (0) must be at least 1"),
     (["demo", "--nnodes", "2", "--master-port", "1"], {"ZBUS_SECRET": SECRET, "ZBUS_CURVE_DIR": "/none"},
      "give a cluster secret or a key folder"),
 ], ids=["keygen-not-empty", "status-no-secret-file", "follower-no-keys", "follower-port-setting",
         "status-port-not-a-number", "nnodes", "node-rank", "liveness", "node-rank-0", "secret-no-node-rank",
-        "node-rank-below-0", "follower-bad-key-file", "follower-short-key", "status-bad-key-file",
+        "node-rank-below-0", "follower-bad-key-file", "follower-short-key", "follower-key-line-cut",
+        "follower-key-past-z85", "status-bad-key-file",
         "status-malformed-host", "demo-nproc", "demo-nproc-0", "demo-secret-and-keys"])
 def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp_path):
     """A key folder or secret file that is not there, a folder keygen would
@@ -122,16 +126,18 @@ def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp
     check in ``NodeAgent._keys``.
 
     A key file that is not one (ZeroMQ's ValueError, or a key ZeroMQ refuses later
-    as EINVAL), a host name of an empty label (idna's UnicodeError, where the
+    as EINVAL; a line cut short, pyzmq's IndexError; 40 Z85 characters past a
+    Z85 value), a host name of an empty label (idna's UnicodeError, where the
     docs promise the resolve error) and a node rank below 1 were tracebacks or a
     whole cluster's failed start (-1 is "any" on the wire); ``zbus status`` asked
     "is the leader running?" of a key or secret it could not read. Sabotage: no
-    ``except ValueError`` or no length check in ``zbus.curve._load``; only
+    ``except ValueError, IndexError`` or no decoding check in ``zbus.curve._load``; only
     ``gaierror`` in ``resolve_ip``; no rank check in ``NodeAgent.__init__``; the
     keys loaded inside ``_status``'s ``try``."""
     (tmp_path / "x").touch()
-    for folder, text in (("bad", "not a key\n"), ("short", 'curve\n    public-key = "abc"\n'
-                                                           '    secret-key = "def"\n')):
+    for folder, text in (("bad", "not a key\n"), ("short", 'curve\n    public-key = "abc"\n'),
+                         ("cut", "curve\n    public-key\n"),
+                         ("overflow", f'curve\n    public-key = "{"#" * 40}"\n')):
         (tmp_path / folder).mkdir()
         for name in ("node.key_secret", "node.key", "leader.key"):
             (tmp_path / folder / name).write_text(text)
@@ -141,7 +147,7 @@ def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp
     assert out.returncode == 1 and f"zbus {argv[0]}: " in out.stderr and says in out.stderr, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     if argv[0] == "status":  # (the hint is for a leader it cannot reach, not a key it cannot read)
-        assert ("Is the leader running" in out.stderr) == ("resolve" in says), out.stderr
+        assert ("Is the leader running" in out.stderr) == ("host name" in says), out.stderr
 
 
 def pending_signals(pid: int) -> int:
@@ -241,6 +247,20 @@ def test_ctrl_c_ends_a_follower_with_130_and_no_traceback(tmp_path):
         assert "Traceback" not in said and "KeyboardInterrupt" not in said, said
     finally:
         end_process(proc)
+
+
+def test_bench_from_json_prints_the_rows_before_a_plot_they_cannot_make(tmp_path):
+    """Rows of no payload scenario with ``--plot``: the table, then the plot's own
+    reason (exit 2). A first version called the file "not the rows of 'zbus bench
+    --json'" and printed nothing. Sabotage: ``plot_svg`` inside the ``try`` round
+    ``load_rows`` in ``zbus.bench.run``."""
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"rows": [{"scenario": "import", "case": "import zbus", "median_us": 9.0,
+                                          "p99_us": 12.0}]}))
+    out = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "--from-json", str(rows), "--plot",
+                          str(tmp_path / "x.svg")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "import zbus" in out.stdout, (out.stdout, out.stderr)
+    assert "--plot: no payload rows to plot" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_a_command_that_needs_torch_says_so_in_one_line():

@@ -323,9 +323,11 @@ def test_a_follower_takes_its_settings_as_an_operator_writes_them(monkeypatch):
     """``ZBUS_ALLOW_WORKERS="a, b"`` allows ``b`` (it allowed " b", so the node
     refused ``b``'s workers and the whole start failed); a node rank under 1 is
     refused by name (-1 went on the wire as "any", the leader gave it a rank and
-    the node refused its welcome: the cluster's start failed). Sabotage: no
-    ``strip`` in ``NodeAgent.__init__`` -> ``workers:EchoWorker`` refused; no rank
-    check there -> no SettingError."""
+    the node refused its welcome: the cluster's start failed); a leader's name
+    that can never resolve is refused at once, not tried again for the join
+    timeout. Sabotage: no ``strip`` in ``NodeAgent.__init__`` ->
+    ``workers:EchoWorker`` refused; no rank check there -> no SettingError; no
+    ``except SettingError: raise`` in ``NodeAgent._connect`` -> 20 s of tries."""
     from zbus.agent import NodeAgent
 
     monkeypatch.setenv("ZBUS_ALLOW_WORKERS", "zbus.bench, workers ,")
@@ -340,6 +342,15 @@ def test_a_follower_takes_its_settings_as_an_operator_writes_them(monkeypatch):
         monkeypatch.setenv("ZBUS_NODE_RANK", str(rank))
         with pytest.raises(zbus.SettingError, match=f"node rank {rank}: a follower's rank is 1 or more"):
             NodeAgent(master_addr="127.0.0.1")
+    monkeypatch.delenv("ZBUS_NODE_RANK")
+    agent = NodeAgent(master_addr="leader..local", join_timeout=20)  # (an empty label: never a name)
+    try:
+        began = time.monotonic()
+        with pytest.raises(zbus.SettingError, match="'leader..local' is no host name"):
+            agent._join()
+        assert time.monotonic() - began < 5
+    finally:
+        agent._close()
 
 
 @pytest.mark.timeout(60)

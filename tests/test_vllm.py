@@ -626,6 +626,38 @@ def test_a_ctrl_c_in_a_mapped_futures_function_goes_on(wire):
     assert isinstance(out.exception(0), KeyboardInterrupt)
 
 
+def test_a_mapped_steps_future_reads_its_replies_when_no_thread_completes_futures(wire, monkeypatch):
+    """An engine with a KV connector waits on a step's mapped future (its outputs
+    aggregated). Where the thread that completes futures cannot start (a pids
+    limit), the step's own future is completed by whoever waits on it; the mapped
+    one was completed by no one: the engine waited for good, past the step's
+    timeout too. Now waiting on it waits on the step's future: the result comes,
+    and a step past its timeout fails with TimeoutError. Sabotage: a plain Future
+    in ``_mapped`` -> TimeoutError of the 20 s wait; the late step waits it out."""
+    import threading
+
+    import workers
+
+    import zbus
+    from zbus.vllm.executor import _mapped
+
+    start = threading.Thread.start
+
+    def refused(thread: threading.Thread) -> None:
+        if thread.name == "zbus-completer":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    with zbus.Executor(workers.EchoWorker, nproc_per_node=2) as ex:
+        out = _mapped(ex.collective_rpc("rank_value", args=(3,), non_block=True, timeout=30), lambda r: r[1])
+        assert out.result(timeout=20) == 31
+        began = time.monotonic()
+        late = _mapped(ex.collective_rpc("sleep", args=(3.0,), non_block=True, timeout=0.3), lambda r: r)
+        assert isinstance(late.exception(timeout=20), TimeoutError)
+        assert time.monotonic() - began < 2.5
+
+
 def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
     """Sabotage: no check of what a remote configuration names (worker class,
     extension, remote code; a KV offloading spec module, an EC connector module, a

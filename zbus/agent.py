@@ -259,6 +259,8 @@ class NodeAgent:
             try:
                 master_ip = resolve_ip(s.master_addr)
                 break
+            except SettingError:
+                raise
             except ZbusError as e:
                 if time.monotonic() > deadline:
                     raise

@@ -833,13 +833,17 @@ def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = 
         try:
             rows = load_rows(from_json)
             text = format_markdown(rows) if markdown else format_table(rows)
-            if plot_path:
-                plot_svg(rows, plot_path)
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # (json's errors are ValueErrors)
             print(f"--from-json {from_json}: not the rows of 'zbus bench --json' "
                   f"({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
             return 2
         print(text, file=out)
+        if plot_path:
+            try:
+                plot_svg(rows, plot_path)
+            except ValueError as e:  # (no payload rows among them)
+                print(f"--plot: {e}", file=sys.stderr)
+                return 2
         return 0
     unknown = [name for name in scenarios if name not in SCENARIOS]
     if unknown:  # (before any runs: a typo must not cost the scenarios before it)

@@ -206,8 +206,10 @@ def resolve_ip(host: str) -> str:
     """An IP address for ``host`` (ZeroMQ binds to addresses, not host names)."""
     try:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except (socket.gaierror, UnicodeError) as e:  # (UnicodeError: an empty label, or one too long)
+    except socket.gaierror as e:
         raise ZbusError(f"cannot resolve {host!r}: {e}") from e
+    except UnicodeError as e:  # (an empty label, or one too long: no retry makes it resolve)
+        raise SettingError(f"{host!r} is no host name: {e}") from e
 
 
 def _ephemeral_range() -> tuple[int, int]:

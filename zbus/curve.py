@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import threading
 import time
 from typing import Any
@@ -149,16 +150,20 @@ def _make_keys(directory: str, nodes: int) -> list[str]:
 
 def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
     import zmq.auth
-    from zmq.utils.z85 import Z85CHARS
+    from zmq.utils import z85
 
     if not os.path.exists(path):
         raise ZbusError(f"missing key file {path} (make keys with 'zbus keygen')")
     try:
         public, secret_key = zmq.auth.load_certificate(path)
-    except ValueError as e:  # (no key in it, or not text: said in one line, as a missing file is)
-        raise ZbusError(f"{path} is no key file of 'zbus keygen': {e}") from None
+    except (ValueError, IndexError) as e:  # (no key, a line cut short, not text: said in one line)
+        raise ZbusError(f"{path} is no key file of 'zbus keygen': {type(e).__name__}: {e}") from None
     for key in (public, secret_key):  # (else ZeroMQ refuses it later, as a bare EINVAL)
-        if key is not None and (len(key) != 40 or key.strip(Z85CHARS)):
+        try:
+            whole = key is None or len(z85.decode(key)) == 32
+        except (ValueError, KeyError, struct.error):  # (a character, or a value, no Z85 has)
+            whole = False
+        if not whole:
             raise ZbusError(f"{path} holds a key that is not 40 Z85 characters (make keys: 'zbus keygen')")
     if secret and secret_key is None:
         raise ZbusError(f"{path} holds no secret key")

@@ -899,6 +899,7 @@ class MultiprocExecutor(Executor):
         self._answered = 0  # every call up to this number has all its replies
         self._replies_closed_at: dict[int, float] = {}  # rank: when its reply queue was seen closed
         self._pending: collections.deque[Call] = collections.deque()
+        self._expired_at = 0.0  # when the pending calls were last checked for their deadlines
         self._send_lock = OwnedLock()
         self._recv_lock = OwnedLock()
         self._completer = Completer(self)
@@ -1237,8 +1238,9 @@ class MultiprocExecutor(Executor):
             head.settle(False, error, complete=False)  # (the completions run once the lock is let go)
 
     def _expire_due(self) -> None:
-        """Fail the futures of non-blocking calls whose deadline has passed."""
-        now = time.monotonic()
+        """Fail the futures of non-blocking calls whose deadline has passed (the
+        reply lock held)."""
+        now = self._expired_at = time.monotonic()
         for pending in list(self._pending):
             if pending.deadline is not None and pending.deadline <= now:
                 pending.expire()
@@ -1253,7 +1255,8 @@ class MultiprocExecutor(Executor):
         if self._leader is not None:  # replies to it from ranks it did not ask are dropped
             self._leader.path.answered = head.seq
         head.finish()  # (unless settled already: by the monitor, or by an early error)
-        if self._pending:  # (heads answered each within a wait's slice end no slice to check the rest)
+        # (heads answered each within a wait's slice end no slice to check the rest)
+        if self._pending and time.monotonic() >= self._expired_at + Completer.SLICE_S:
             self._expire_due()
 
     def _take_reply(self, head: Call, rank: int, deadline: float | None) -> None:

@@ -15,6 +15,7 @@ from .. import Executor
 from ..cluster import ClusterSettings
 from ..errors import ZbusError
 from ..processes import GPUS_ENV, THREADS_ENV, node_shm_prefix
+from ..queues import deadline_of
 from ..shm import unlink_prefixed
 from .wire import load_wire_modules
 
@@ -217,9 +218,32 @@ def _step_timeout() -> float:
     return envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
 
 
+class _Mapped(concurrent.futures.Future):
+    """A future completed from another, ``source``: waiting on it waits on the
+    source first, which reads the call's replies itself and fails at the call's
+    timeout (as when the thread that completes futures could not be started)."""
+
+    def __init__(self, source: concurrent.futures.Future) -> None:
+        super().__init__()
+        self._source = source
+
+    def result(self, timeout: float | None = None) -> Any:
+        return super().result(self._wait_source(timeout))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return super().exception(self._wait_source(timeout))
+
+    def _wait_source(self, timeout: float | None) -> float | None:
+        """The source settled (else TimeoutError); the time left of ``timeout``."""
+        deadline = deadline_of(timeout)
+        if not self.done():
+            self._source.exception(timeout)
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def _mapped(future: concurrent.futures.Future, func: Callable[[Any], Any]) -> concurrent.futures.Future:
     """A future of ``func(future's result)``, completed when ``future`` is."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
+    out = _Mapped(future)
     out.set_running_or_notify_cancel()  # (as ``future``: its call is sent, too late to cancel)
 
     def done(f: concurrent.futures.Future) -> None:
