@@ -35,6 +35,7 @@ import collections
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -346,6 +347,7 @@ def soak_netns(calls: int, max_bytes: int, window: int, seed: int, warmup: float
         result = None
         watchdog = threading.Timer(limit_s, leader.kill) if limit_s else None
         if watchdog is not None:
+            watchdog.daemon = True  # (a soak cut short by SIGTERM exits without waiting for it)
             watchdog.start()
         for line in leader.stdout:
             if not line.startswith("{"):
@@ -404,6 +406,9 @@ def main() -> None:
     parser.add_argument("--netns-leader", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--follower-pids", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # SIGTERM (a test's limit) unwinds as an exception: the followers are ended and
+    # the namespaces deleted by the ``finally`` and ``with`` blocks on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.netns_leader:
         netns_leader(args)
     elif args.netns:

@@ -317,8 +317,9 @@ def test_a_bench_killed_leaves_no_reader_or_subscriber_waiting():
             for p in bench.children():
                 try:
                     with open(f"/proc/{p.pid}/maps") as f:
-                        readers += "/dev/shm/zbus-" in f.read()
-                    subscribers += "resource_tracker" not in " ".join(p.cmdline()) and bool(
+                        reader = "/dev/shm/zbus-" in f.read()
+                    readers += reader  # (whose doorbell is a Unix socket too: not a subscriber)
+                    subscribers += not reader and "resource_tracker" not in " ".join(p.cmdline()) and bool(
                         p.net_connections(kind="unix"))
                 except (psutil.Error, OSError):
                     pass

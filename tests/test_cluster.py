@@ -146,7 +146,7 @@ def test_a_slow_on_join_holds_up_no_join_nor_heartbeat():
 @pytest.mark.parametrize("fault,needle", [
     ("duplicate_rank", "already taken"),
     ("world_size", "every node needs 1"),
-])
+], ids=["duplicate_rank", "world_size"])
 def test_start_up_faults_name_the_node_and_do_not_hang(fault, needle):
     port = free_port_pair()
     procs = []
@@ -699,7 +699,7 @@ def test_unauthenticated_leader_may_start_only_allowed_workers_with_a_safe_envir
         end_process(proc)
 
 
-@pytest.mark.parametrize("how,code", [("kill", -9), ("abort", -6)])
+@pytest.mark.parametrize("how,code", [("kill", -9), ("abort", -6)], ids=["kill", "abort"])
 def test_a_follower_workers_death_fails_the_executor_quickly(how, code):
     """Rank 3 (node 1) kills itself inside a call: its agent sees the death and
     reports it, and the call fails with ``WorkerDiedError`` naming rank, exit code

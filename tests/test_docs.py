@@ -52,6 +52,36 @@ def test_every_test_the_docs_name_exists(path, name, docs):
     assert name in functions_of(path), f"{docs} name {path}::{name}, which {path} does not define"
 
 
+def cases() -> dict[tuple[str, str, str], list[str]]:
+    """(test file, test name, case id) -> the docs that name that case; ``a|b``
+    (``a\\|b`` in a table) names two, ``...`` any."""
+    found: dict[tuple[str, str, str], list[str]] = {}
+    for name in sorted(os.listdir(DOCS)):
+        if name.endswith(".md"):
+            with open(os.path.join(DOCS, name), encoding="utf-8") as f:
+                for m in REFERENCE.finditer(f.read()):
+                    for case in (m.group(3) or "[...]")[1:-1].replace("\\", "").split("|"):
+                        if case != "...":
+                            found.setdefault((m.group(1), m.group(2), case), []).append(name)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_every_case_the_docs_name_exists():
+    """Each ``test[id]`` a doc names is a case pytest collects. Sabotage: rename a
+    case a doc names (an id of ``test_sigterm_ends_the_demo...``): it fails here.
+    Before, the id was read and dropped: only the test's name was checked."""
+    named = cases()
+    paths = sorted({path for path, _, _ in named})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *paths], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    collected = {line.strip() for line in out.stdout.splitlines() if "::" in line}
+    assert len(collected) > 100, out.stdout[-2000:] + out.stderr[-2000:]
+    missing = [f"{path}::{test}[{case}] (in {', '.join(docs)})" for (path, test, case), docs in named.items()
+               if f"{path}::{test}[{case}]" not in collected]
+    assert not missing, missing
+
+
 @pytest.mark.timeout(120)
 def test_the_readmes_driver_runs_as_written(tmp_path):
     """README's two files, as they stand there, run and give what its comments say.

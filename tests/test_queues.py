@@ -327,7 +327,7 @@ def test_a_send_that_loses_the_socket_leaves_it_to_the_new_holder(ctx):
 
         t = threading.Thread(target=holder)
         t.start()
-        with pytest.raises(SendTimeout):
+        with pytest.raises(SendTimeout, match="timed out waiting for the socket"):  # (the holder had it)
             send_frames(xpub, [b"x"], deadline_of(0.3), "a test send", lock=lock)
         done.set()
         t.join(10)
