@@ -252,15 +252,22 @@ def test_ctrl_c_ends_a_follower_with_130_and_no_traceback(tmp_path):
 def test_bench_from_json_prints_the_rows_before_a_plot_they_cannot_make(tmp_path):
     """Rows of no payload scenario with ``--plot``: the table, then the plot's own
     reason (exit 2). A first version called the file "not the rows of 'zbus bench
-    --json'" and printed nothing. Sabotage: ``plot_svg`` inside the ``try`` round
-    ``load_rows`` in ``zbus.bench.run``."""
+    --json'" and printed nothing; a second, a row the plot cannot read (a case
+    that is no text) was a traceback. Sabotage: ``plot_svg`` inside the ``try``
+    round ``load_rows`` in ``zbus.bench.run``; ValueError alone caught round it."""
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps({"rows": [{"scenario": "import", "case": "import zbus", "median_us": 9.0,
                                           "p99_us": 12.0}]}))
     out = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "--from-json", str(rows), "--plot",
                           str(tmp_path / "x.svg")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "import zbus" in out.stdout, (out.stdout, out.stderr)
-    assert "--plot: no payload rows to plot" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "--plot: ValueError: no payload rows to plot" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    odd = {"scenario": "payload", "case": 7, "median_us": 9.0, "p99_us": 12.0}  # (a case it cannot read)
+    rows.write_text(json.dumps({"rows": [odd]}))
+    out = subprocess.run([sys.executable, "-m", "zbus.cli", "bench", "--from-json", str(rows), "--plot",
+                          str(tmp_path / "x.svg")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--plot: AttributeError" in out.stderr, out.stderr
 
 
 def test_a_command_that_needs_torch_says_so_in_one_line():

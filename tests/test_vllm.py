@@ -658,6 +658,31 @@ def test_a_mapped_steps_future_reads_its_replies_when_no_thread_completes_future
         assert time.monotonic() - began < 2.5
 
 
+def test_a_mapped_future_and_its_step_go_with_their_last_holder(wire):
+    """A step's future holds every rank's outputs: once its mapped future has
+    completed and been dropped, the two go at once, not at the next collection. A
+    first version kept a cycle (the mapped future held its source, whose callback
+    held it). Sabotage: no ``out._source = None`` in ``_mapped``'s callback -> the
+    step's future lives on."""
+    import concurrent.futures
+    import gc
+    import weakref
+
+    from zbus.vllm.executor import _mapped
+
+    gc.disable()
+    try:
+        step = concurrent.futures.Future()
+        out = _mapped(step, lambda outputs: outputs[0])
+        step.set_result([b"x" * 1000, None])
+        assert out.result(0) == b"x" * 1000
+        gone = weakref.ref(step)
+        del step, out
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_a_followers_worker_refuses_a_configuration_that_names_code(wire):
     """Sabotage: no check of what a remote configuration names (worker class,
     extension, remote code; a KV offloading spec module, an EC connector module, a

@@ -841,8 +841,8 @@ def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = 
         if plot_path:
             try:
                 plot_svg(rows, plot_path)
-            except ValueError as e:  # (no payload rows among them)
-                print(f"--plot: {e}", file=sys.stderr)
+            except (ValueError, TypeError, KeyError, AttributeError) as e:  # (no payload rows, or odd ones)
+                print(f"--plot: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                 return 2
         return 0
     unknown = [name for name in scenarios if name not in SCENARIOS]

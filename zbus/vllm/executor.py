@@ -225,7 +225,7 @@ class _Mapped(concurrent.futures.Future):
 
     def __init__(self, source: concurrent.futures.Future) -> None:
         super().__init__()
-        self._source = source
+        self._source: concurrent.futures.Future | None = source
 
     def result(self, timeout: float | None = None) -> Any:
         return super().result(self._wait_source(timeout))
@@ -236,8 +236,9 @@ class _Mapped(concurrent.futures.Future):
     def _wait_source(self, timeout: float | None) -> float | None:
         """The source settled (else TimeoutError); the time left of ``timeout``."""
         deadline = deadline_of(timeout)
-        if not self.done():
-            self._source.exception(timeout)
+        source = self._source  # (None once it completed this one)
+        if source is not None and not self.done():
+            source.exception(timeout)
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
@@ -247,6 +248,7 @@ def _mapped(future: concurrent.futures.Future, func: Callable[[Any], Any]) -> co
     out.set_running_or_notify_cancel()  # (as ``future``: its call is sent, too late to cancel)
 
     def done(f: concurrent.futures.Future) -> None:
+        out._source = None  # (no cycle: the replies go with the last holder, not at a collection)
         try:
             out.set_result(func(f.result()))
         except Exception as e:  # noqa: BLE001 - the caller's future carries it
