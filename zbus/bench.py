@@ -827,13 +827,17 @@ CLUSTER_SETTINGS = ("ZBUS_NNODES", "ZBUS_NPROC_PER_NODE", "ZBUS_MASTER_ADDR", "Z
                     "LWS_WORKER_INDEX")
 
 
+# What rows of another shape raise as they are read, printed or drawn (json's are ValueErrors)
+_UNREADABLE = (ValueError, TypeError, KeyError, AttributeError)
+
+
 def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = sys.stdout,
         plot_path: str | None = None, from_json: str | None = None, markdown: bool = False) -> int:
     if from_json:  # only redraw from an earlier run
         try:
             rows = load_rows(from_json)
             text = format_markdown(rows) if markdown else format_table(rows)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:  # (json's errors are ValueErrors)
+        except _UNREADABLE as e:
             print(f"--from-json {from_json}: not the rows of 'zbus bench --json' "
                   f"({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
             return 2
@@ -841,7 +845,7 @@ def run(scenarios: list[str], seconds: float, json_path: str | None, out: Any = 
         if plot_path:
             try:
                 plot_svg(rows, plot_path)
-            except (ValueError, TypeError, KeyError, AttributeError) as e:  # (no payload rows, or odd ones)
+            except _UNREADABLE as e:  # (no payload rows, or rows of another shape)
                 print(f"--plot: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                 return 2
         return 0

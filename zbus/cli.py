@@ -46,10 +46,12 @@ def _status(args: argparse.Namespace) -> int:
     s = ClusterSettings.resolve(master_addr=args.master_addr, master_port=args.master_port)
     # (a key or secret it cannot read is said by main, without the hint below)
     secret = None if args.curve_dir else secret_from_env(path=args.secret_file)
-    curve_dir = curve_dir_from_env(args.curve_dir)
-    curve = NodeCurve.from_secret(secret, 1) if secret else (NodeCurve.from_dir(curve_dir) if curve_dir
-                                                              else None)
-    try:  # (any node's key may ask: rank 1's)
+    curve_dir, curve = curve_dir_from_env(args.curve_dir), None
+    if secret:  # any node's key may ask: rank 1's
+        curve = NodeCurve.from_secret(secret, 1)
+    elif curve_dir:
+        curve = NodeCurve.from_dir(curve_dir)
+    try:
         status = query_status(s.master_addr, s.master_port, args.timeout, curve)
     except (TimeoutError, ZbusError) as e:
         print(f"zbus status: {e}. Is the leader running, and are --master-addr/--master-port "

@@ -516,9 +516,10 @@ def decode(frames: Sequence[Any], max_bytes: int | None = None, plain: bool = Fa
 
     Each buffer frame is used at most once, and what decoding copies (read-only
     frames, bytearrays, and the extension bodies held at once) stays within
-    ``BUDGET_FACTOR`` times the message size plus 1 MiB. Tensors, arrays and memoryviews use a writable frame
-    in place: pass only frames that belong to this message alone (a private ring
-    buffer, a ZeroMQ frame received with ``copy=False``); read-only ones are copied."""
+    ``BUDGET_FACTOR`` times the message size plus 1 MiB. Tensors, arrays and
+    memoryviews use a writable frame in place: pass only frames that belong to
+    this message alone (a private ring buffer, a ZeroMQ frame received with
+    ``copy=False``); read-only ones are copied."""
     limit = MAX_MESSAGE if max_bytes is None else max_bytes
     if not frames or len(frames) > _MAX_FRAMES:
         raise CodecError(f"a message needs 1 to {_MAX_FRAMES} frames, got {len(frames)}")
