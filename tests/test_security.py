@@ -952,6 +952,16 @@ def wait_dropped(ex, at_least: int, timeout: float = 20) -> int:
     return ex._leader.dropped
 
 
+def status_of_a_keyed_leader(port: int, *flags: str) -> dict:
+    """``zbus status --json`` of the leader on ``port``, asked with a node's key:
+    from ``flags`` (``--curve-dir``), else the cluster secret in the environment."""
+    out = subprocess.run([sys.executable, "-m", "zbus.cli", "status", "--master-port", str(port), "--json",
+                          "--timeout", "20", *flags], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=TEST_PATH))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
 @contextlib.contextmanager
 def keyed_cluster_of_key_folders(tmp_path):
     """A leader and followers 1 and 2, keyed by the folders of ``zbus keygen``,
@@ -1014,6 +1024,7 @@ def test_a_nodes_reason_reaches_the_driver_without_its_escapes(tmp_path):
     from zbus.curve import NodeCurve
 
     with keyed_cluster_of_key_folders(tmp_path) as (ex, port, _):
+        assert status_of_a_keyed_leader(port, "--curve-dir", str(tmp_path / "node-2"))["world_size"] == 3
         forge(port, NodeCurve.from_dir(str(tmp_path / "node-2")),
               [["leaving", 2, ex._leader.path.session, "\x1b]52;c;b3duZWQ=\x07gone\x1b[2J"]])
         wait_until(lambda: ex.failure.error is not None, 20, "the executor failed")
@@ -1049,6 +1060,7 @@ def test_one_secret_keys_a_cluster_and_binds_each_derived_key_to_its_rank(monkey
                 assert wait_dropped(ex, before + 3) == before + 3
                 ex.check_health()
                 assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21, 22]
+                assert status_of_a_keyed_leader(port)["world_size"] == 3  # (the secret's key for rank 1)
         assert any("links are CurveZMQ" in r.getMessage() for r in caplog.records)
         assert [p.wait(30) for p in procs] == [0, 0]
     finally:
