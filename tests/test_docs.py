@@ -17,16 +17,23 @@ DOCS = os.path.join(ROOT, "docs")
 REFERENCE = re.compile(r"(tests/[\w/]+\.py)::(\w+)(\[[^\]\s`]*\])?")
 
 
-def references() -> dict[tuple[str, str], list[str]]:
-    """(test file, test name) -> the docs in docs/*.md that name it."""
-    found: dict[tuple[str, str], list[str]] = {}
+def named() -> list[tuple[str, re.Match]]:
+    """(doc, reference) for every ``tests/<file>.py::<test>`` in docs/*.md."""
+    out = []
     for name in sorted(os.listdir(DOCS)):
         if name.endswith(".md"):
             with open(os.path.join(DOCS, name), encoding="utf-8") as f:
-                for m in REFERENCE.finditer(f.read()):
-                    docs = found.setdefault((m.group(1), m.group(2)), [])
-                    if name not in docs:
-                        docs.append(name)
+                out += [(name, m) for m in REFERENCE.finditer(f.read())]
+    return out
+
+
+def references() -> dict[tuple[str, str], list[str]]:
+    """(test file, test name) -> the docs in docs/*.md that name it."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for name, m in named():
+        docs = found.setdefault((m.group(1), m.group(2)), [])
+        if name not in docs:
+            docs.append(name)
     return found
 
 
@@ -56,19 +63,17 @@ def cases() -> dict[tuple[str, str, str], list[str]]:
     """(test file, test name, case id) -> the docs that name that case; ``a|b``
     (``a\\|b`` in a table) names two, ``...`` any."""
     found: dict[tuple[str, str, str], list[str]] = {}
-    for name in sorted(os.listdir(DOCS)):
-        if name.endswith(".md"):
-            with open(os.path.join(DOCS, name), encoding="utf-8") as f:
-                for m in REFERENCE.finditer(f.read()):
-                    for case in (m.group(3) or "[...]")[1:-1].replace("\\", "").split("|"):
-                        if case != "...":
-                            found.setdefault((m.group(1), m.group(2), case), []).append(name)
+    for name, m in named():
+        for case in (m.group(3) or "[...]")[1:-1].replace("\\", "").split("|"):
+            if case != "...":
+                found.setdefault((m.group(1), m.group(2), case), []).append(name)
     return found
 
 
 @pytest.mark.timeout(300)
 def test_every_case_the_docs_name_exists():
-    """Each ``test[id]`` a doc names is a case pytest collects. Sabotage: rename a
+    """Each ``tests/<file>.py::<test>[id]`` a doc names is a case pytest collects
+    (a bare ``[id]`` after it in the text is not read). Sabotage: rename a
     case a doc names (an id of ``test_sigterm_ends_the_demo...``): it fails here.
     Before, the id was read and dropped: only the test's name was checked."""
     named = cases()

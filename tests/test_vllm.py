@@ -24,7 +24,16 @@ from fractions import Fraction
 
 import psutil
 import pytest
-from conftest import TEST_PATH, describe, end_process, marked_processes, next_line, shm_used, zbus_segments
+from conftest import (
+    TEST_PATH,
+    describe,
+    end_process,
+    marked_processes,
+    next_line,
+    no_thread_to_be_had,
+    shm_used,
+    zbus_segments,
+)
 
 from zbus.netns import NetnsCluster, unavailable
 
@@ -634,24 +643,15 @@ def test_a_mapped_steps_future_reads_its_replies_when_no_thread_completes_future
     timeout too. Now waiting on it waits on the step's future: the result comes,
     and a step past its timeout fails with TimeoutError. Sabotage: a plain Future
     in ``_mapped`` -> TimeoutError of the 20 s wait; the late step waits it out."""
-    import threading
-
     import workers
 
     import zbus
     from zbus.vllm.executor import _mapped
 
-    start = threading.Thread.start
-
-    def refused(thread: threading.Thread) -> None:
-        if thread.name == "zbus-completer":
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", refused)
+    refused = no_thread_to_be_had(monkeypatch, "zbus-completer")
     with zbus.Executor(workers.EchoWorker, nproc_per_node=2) as ex:
         out = _mapped(ex.collective_rpc("rank_value", args=(3,), non_block=True, timeout=30), lambda r: r[1])
-        assert out.result(timeout=20) == 31
+        assert out.result(timeout=20) == 31 and refused
         began = time.monotonic()
         late = _mapped(ex.collective_rpc("sleep", args=(3.0,), non_block=True, timeout=0.3), lambda r: r)
         assert isinstance(late.exception(timeout=20), TimeoutError)
@@ -665,7 +665,6 @@ def test_a_mapped_future_and_its_step_go_with_their_last_holder(wire):
     held it). Sabotage: no ``out._source = None`` in ``_mapped``'s callback -> the
     step's future lives on."""
     import concurrent.futures
-    import gc
     import weakref
 
     from zbus.vllm.executor import _mapped
