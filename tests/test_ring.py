@@ -979,6 +979,27 @@ def test_messages_of_many_frames_keep_every_frame_in_place():
         writer.close()
 
 
+def test_a_ring_closed_keeping_its_name_loses_it_when_closed_again():
+    """A close that keeps the name (``unlink=False``), then one that asks for its
+    removal: the name goes. Before, the second close returned at once and the name
+    stayed; a CI run (pure Python) of the test below left one so, where a close
+    from a timer thread and the test's own raced (the other outcome of that race:
+    "operation forbidden on released memoryview", now serialised by a lock).
+    Sabotage: ``return`` when unmapped already, first thing in ``RingWriter.close``
+    (as before) -> the name is left."""
+    writer = RingWriter.create(1, RingGeometry(256, 4))
+    path = os.path.join(shm.SHM_DIR, writer.name)
+    writer.close(unlink=False)
+    assert os.path.exists(path)
+    writer.close()
+    assert not os.path.exists(path)
+    ends = [threading.Thread(target=f) for f in (writer.end, writer.close)]  # (closed: nothing to do)
+    for t in ends:
+        t.start()
+    for t in ends:
+        t.join(5)
+
+
 def test_refusals_of_attach_and_recv_say_what_and_which():
     """The errors name the end, the index and the ring. Sabotage: ``ValueError(None)``
     or ``handle.n_readers + 1`` in attach's range; the doorbell's role as None or

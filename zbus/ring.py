@@ -55,6 +55,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -281,6 +282,7 @@ class RingWriter(_Ring):
         self._min_read = 0
         self._reader_flags = [(_reader_off(r) + 8) // 4 for r in range(self.n_readers)]
         self._buf = seg.buf
+        self._closing = threading.RLock()  # (end and close from two threads: a released view)
         self._open_bells(self._bell_prefix + "w", "the writer", self._reader_bells)
 
     def _refresh_min_read(self) -> int:
@@ -425,19 +427,22 @@ class RingWriter(_Ring):
     def end(self) -> None:
         """Tell readers no more messages come: they read what is there, then get
         RingClosed. (The mapping stays: :meth:`close` unmaps it.)"""
-        if self._seg._mmap is None:
-            return
-        self._i[_I_CLOSED] = 1  # never the state word: an abort there must stay
-        _fence()
-        self._wake_all()
+        with self._closing:
+            if self._seg._mmap is None:
+                return
+            self._i[_I_CLOSED] = 1  # never the state word: an abort there must stay
+            _fence()
+            self._wake_all()
 
     def close(self, unlink: bool = True) -> None:
         """Tell readers no more messages come (they drain, then get RingClosed),
-        unmap, and remove the segment."""
-        if self._seg._mmap is None:
-            return
-        self.end()
-        self._close_mapping()
+        unmap, and remove the segment's name (also when an earlier close kept it).
+        Any thread may call it, and :meth:`end`, at once: one unmaps, the others
+        see it done."""
+        with self._closing:
+            if self._seg._mmap is not None:
+                self.end()
+                self._close_mapping()
         if unlink:
             self._seg.unlink()
 
