@@ -92,6 +92,7 @@ SECRET = "0123456789abcdef" * 2
     (["follower"], {"ZBUS_NNODES": "two"}, "ZBUS_NNODES='two': expected a whole number"),
     (["follower"], {"ZBUS_NODE_RANK": "x"}, "ZBUS_NODE_RANK='x': expected a whole number"),
     (["follower"], {"ZBUS_LIVENESS_S": "fast"}, "ZBUS_LIVENESS_S='fast': expected a number"),
+    (["follower"], {"ZBUS_ALLOW_IMPORT_CALLS": "sure"}, "ZBUS_ALLOW_IMPORT_CALLS='sure': expected 1 or 0"),
     (["follower", "--node-rank", "0"], {"ZBUS_SECRET": SECRET}, "node rank 0: a follower's rank is 1 or"),
     (["follower"], {"ZBUS_SECRET": SECRET}, "with a cluster secret this node needs its rank"),
     (["follower", "--node-rank", "-1"], {}, "node rank -1: a follower's rank is 1 or more"),
@@ -107,7 +108,8 @@ SECRET = "0123456789abcdef" * 2
     (["demo", "--nnodes", "2", "--master-port", "1"], {"ZBUS_SECRET": SECRET, "ZBUS_CURVE_DIR": "/none"},
      "give a cluster secret or a key folder"),
 ], ids=["keygen-not-empty", "status-no-secret-file", "follower-no-keys", "follower-port-setting",
-        "status-port-not-a-number", "nnodes", "node-rank", "liveness", "node-rank-0", "secret-no-node-rank",
+        "status-port-not-a-number", "nnodes", "node-rank", "liveness", "allow-import-calls", "node-rank-0",
+        "secret-no-node-rank",
         "node-rank-below-0", "follower-bad-key-file", "follower-short-key", "follower-key-line-cut",
         "follower-key-past-z85", "status-bad-key-file",
         "status-malformed-host", "demo-nproc", "demo-nproc-0", "demo-secret-and-keys"])
@@ -201,6 +203,31 @@ def test_sigterm_ends_the_demo_with_its_followers_and_removes_its_keys(tmp_path,
             except psutil.NoSuchProcess:
                 pass
         end_process(demo)
+
+
+def test_followers_deaf_to_sigterm_share_one_grace_before_sigkill():
+    """``end_followers`` (the demo's, the bench's) waited ``grace_s`` for each
+    follower in turn: the second of two that ignore SIGTERM (stopped, stuck) was
+    killed only after two graces, the k-th after k. Sabotage: ``f.wait(grace_s)``
+    again -> about 2 s for two."""
+    from zbus.processes import end_followers
+
+    deaf = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)")
+    procs = [subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+        t0 = time.monotonic()
+        end_followers(procs, grace_s=1.0)
+        took = time.monotonic() - t0
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+        assert took < 1.7, f"two deaf followers took {took:.2f} s to end with a grace of 1 s"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+            p.stdout.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")

@@ -11,6 +11,8 @@ remote one's never reaches the caller (the call waits out its timeout)."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 import threading
 import time
@@ -21,7 +23,22 @@ from test_cluster import follower, leader
 
 import zbus
 from zbus.cluster import free_port_pair
+from zbus.errors import SendTimeout
 from zbus.failure import Failure
+
+
+@pytest.mark.parametrize("error", [zbus.WorkerDiedError(3, -9, "on node 1 (h1)"),
+                                   zbus.NodeLostError(2, "h2", "it left"),
+                                   SendTimeout("broadcast timed out", queued=True)],
+                         ids=["worker-died", "node-lost", "send-timeout"])
+def test_an_error_with_fields_of_its_own_pickles_and_copies_whole(error):
+    """The executor's failure is a ``WorkerDiedError`` or a ``NodeLostError``: passed
+    to another process (multiprocessing, an engine's client) or copied, it was made
+    again from its message alone, and ``__init__`` wanted its rank and exit code:
+    TypeError. Sabotage: no ``__reduce__`` on ``WorkerDiedError`` -> TypeError."""
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(again) is type(error) and str(again) == str(error)
+        assert vars(again) == vars(error)
 
 
 def test_the_first_error_wins_and_callbacks_run_once_with_it():

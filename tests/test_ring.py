@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -33,7 +34,7 @@ from ring_procs import end_message, make_message
 import zbus
 from zbus import codec, ring, shm
 from zbus.config import RingGeometry, WaitPolicy
-from zbus.errors import Cancelled, RingClosed, ShmSpaceError
+from zbus.errors import Cancelled, RingClosed, SettingError, ShmSpaceError
 from zbus.ring import BufferPool, RingReader, RingWriter
 
 # A wait slice far beyond any test's timeout: a lost wake-up would hang the test
@@ -186,6 +187,37 @@ def test_send_times_out_on_a_full_ring_then_resumes_without_tearing():
         t.join(10)
         assert got["m"] == b"c" * 600
         assert bytes(reader.recv(timeout=5)[0]) == b"d"
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_timeout_of_nan_is_refused_not_waited_for_ever():
+    """A ring's send and receive took ``monotonic() + nan`` for their deadline, which
+    no clock passes: on a full (or empty) ring they slept slice after slice for
+    good, where the ZeroMQ queues refuse NaN (``deadline_of``). Sabotage: the old
+    ``time.monotonic() + timeout`` in ``RingReader.recv`` -> the receive is still
+    waiting 2 s later."""
+    writer = RingWriter.create(1, RingGeometry(256, 2))
+    reader = RingReader.attach(writer.handle, 0)
+    got: dict = {}
+
+    def attempt(name, step):
+        try:
+            step()
+        except BaseException as e:  # noqa: BLE001 - what it raised is the finding
+            got[name] = e
+
+    try:
+        for name, step in [("recv", lambda: reader.recv(timeout=math.nan)),
+                           ("fill", lambda: writer.send([b"x" * 400], timeout=1)),
+                           ("send", lambda: writer.send([b"y" * 100], timeout=math.nan))]:
+            t = threading.Thread(target=attempt, args=(name, step), daemon=True)
+            t.start()
+            t.join(2)
+            assert not t.is_alive(), f"{name} with a timeout of NaN still waits"
+        assert set(got) == {"recv", "send"}, got
+        assert all(type(e) is ValueError and "NaN" in str(e) for e in got.values()), got
     finally:
         reader.close()
         writer.close()
@@ -810,6 +842,30 @@ def test_wait_settings_out_of_range_are_refused(monkeypatch, name, value):
         WaitPolicy.from_env()
     monkeypatch.setenv(name, "0.25")
     assert WaitPolicy.from_env().slice_s == (0.25 if name == "ZBUS_WAIT_SLICE" else 0.5)
+
+
+@pytest.mark.parametrize("text, on", [("1", True), ("true", True), ("Yes", True), (" on ", True),
+                                      ("", False), ("0", False), ("false", False), ("NO", False),
+                                      ("off", False), ("2", None), ("maybe", None)])
+def test_an_on_off_setting_means_what_it_says_or_is_refused(monkeypatch, text, on):
+    """``ZBUS_PURE_PYTHON=false`` turned the Python twins on (anything but "" and
+    "0" did), and ``ZBUS_ALLOW_IMPORT_CALLS=true`` or ``ZBUS_INSECURE=yes`` left
+    them off without a word (only "1" counted). Sabotage: ``_load_core``'s old
+    test (``not in ("", "0")``) -> "false" runs the twins where the core is built."""
+    import importlib.util
+
+    from zbus.config import flag
+
+    built = importlib.util.find_spec("zbus._core") is not None
+    monkeypatch.setenv("ZBUS_PURE_PYTHON", text)
+    if on is None:
+        with pytest.raises(SettingError, match=f"ZBUS_PURE_PYTHON={text!r}: expected 1 or 0"):
+            flag("ZBUS_PURE_PYTHON")
+        with pytest.raises(SettingError, match="ZBUS_PURE_PYTHON"):
+            shm._load_core()
+        return
+    assert flag("ZBUS_PURE_PYTHON") is on
+    assert (shm._load_core() is not None) == (built and not on)
 
 
 def test_waiters_poll_by_default_only_when_each_has_a_core(monkeypatch):

@@ -106,6 +106,23 @@ def test_a_secret_given_empty_is_refused_not_taken_for_none(tmp_path, monkeypatc
     assert secret_from_env() == b"s" * 16
 
 
+def test_a_secret_of_bytes_that_are_not_utf8_is_the_same_from_the_environment_and_a_file(tmp_path,
+                                                                                        monkeypatch):
+    """The environment holds bytes: Python decodes those that are not UTF-8 as
+    surrogates, and ``str.encode()`` raised UnicodeEncodeError on them (a traceback
+    out of ``zbus follower``), where a file of the same bytes worked. Sabotage:
+    ``value.encode()`` again in ``secret_from_env`` -> UnicodeEncodeError."""
+    from zbus.curve import secret_from_env
+
+    raw = bytes(range(0x80, 0xa0))  # 32 bytes, none of them UTF-8 alone
+    monkeypatch.delenv("ZBUS_SECRET_FILE", raising=False)
+    monkeypatch.setenv("ZBUS_SECRET", os.fsdecode(raw))
+    assert secret_from_env() == raw
+    (tmp_path / "secret").write_bytes(raw)
+    os.chmod(tmp_path / "secret", 0o600)
+    assert secret_from_env(path=str(tmp_path / "secret")) == raw
+
+
 def test_a_secret_file_others_may_read_is_warned_of_and_one_too_long_refused(tmp_path, monkeypatch, caplog):
     """A secret's file that others may read (``cp`` under umask 022) was used without
     a word, and one that was no secret was read whole (``/dev/zero``: for ever).

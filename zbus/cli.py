@@ -26,13 +26,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _follower(args: argparse.Namespace) -> int:
     from .agent import NodeAgent
-    from .config import _number
+    from .config import _number, flag
 
     join_timeout = args.join_timeout or _number("ZBUS_JOIN_TIMEOUT", 300.0, positive=True)
     return NodeAgent(master_addr=args.master_addr, master_port=args.master_port,
                      nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                      advertise_addr=args.advertise_addr, join_timeout=join_timeout,
-                     allow_import_calls=args.allow_import_calls, curve_dir=args.curve_dir,
+                     allow_import_calls=args.allow_import_calls or flag("ZBUS_ALLOW_IMPORT_CALLS"),
+                     curve_dir=args.curve_dir,
                      allowed_workers=tuple(args.allow_worker), secret_file=args.secret_file).run()
 
 
@@ -196,7 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     fol.add_argument("--join-timeout", type=_seconds, default=None,
                      help="seconds to wait for the leader (ZBUS_JOIN_TIMEOUT, default 300)")
     fol.add_argument("--allow-import-calls", action="store_true",
-                     default=os.environ.get("ZBUS_ALLOW_IMPORT_CALLS") == "1",
                      help="let the leader call functions by import path 'pkg.mod:func' on this "
                      "node (ZBUS_ALLOW_IMPORT_CALLS=1); off by default")
     fol.add_argument("--allow-worker", action="append", default=[], metavar="MODULE[:CLASS]",

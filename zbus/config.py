@@ -18,8 +18,8 @@
                docs/benchmarks.md).
 ``ZBUS_WAIT_SLICE`` longest single doorbell sleep in seconds (default 0.5). Wake-ups
                do not depend on it; it bounds how late a cancel event or a third
-               party's abort is seen. Above 0; the others at least 0 (else
-               ValueError).
+               party's abort is seen. From 0.001 to 3600; the others from 0 to
+               1e6 (else ValueError).
 ``ZBUS_MAX_MESSAGE``, ``ZBUS_MAX_REPLY``  message size limits (``size_setting``):
                bytes with an optional K/M/G suffix, at least 64K (else ValueError).
 """
@@ -125,6 +125,21 @@ class WaitPolicy:
         # (a slice under a millisecond makes each sleep a busy loop; one over an hour,
         # a cancel or abort seen that late: tests set 600 s to prove no wake-up is lost)
         return cls(spin, yld, _number("ZBUS_WAIT_SLICE", 0.5, within=(0.001, 3600.0)))
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def flag(name: str) -> bool:
+    """The on/off setting ``name``: 1, true, yes or on; 0, false, no, off, empty or
+    unset (any case). Anything else is refused: ``ZBUS_PURE_PYTHON=false`` must not
+    turn it on, nor ``ZBUS_ALLOW_IMPORT_CALLS=true`` leave it off unsaid."""
+    text = os.environ.get(name, "")
+    if text.strip().lower() in _ON:
+        return True
+    if text.strip().lower() in _OFF:
+        return False
+    raise SettingError(f"{name}={text!r}: expected 1 or 0 (true/false, yes/no, on/off)")
 
 
 def _number(name: str, default: float, positive: bool = False,

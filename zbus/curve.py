@@ -81,7 +81,8 @@ def secret_from_env(value: str | bytes | None = None, path: str | None = None) -
         value = os.environ.get("ZBUS_SECRET") or None  # (empty: unset)
     if value is None:
         return None
-    secret = (value.encode() if isinstance(value, str) else bytes(value)).strip()
+    # (os.fsencode: the bytes of the variable as set, UTF-8 or not, as a file gives them)
+    secret = (os.fsencode(value) if isinstance(value, str) else bytes(value)).strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise ZbusError(f"the cluster secret is {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES} "
                         "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')")

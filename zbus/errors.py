@@ -30,6 +30,9 @@ class SendTimeout(TimeoutError):
         super().__init__(message)
         self.queued = queued
 
+    def __reduce__(self) -> tuple:  # (pickled, copied: made again from its own arguments)
+        return type(self), (self.args[0], self.queued)
+
 
 class RingClosed(ZbusError):
     """The ring was closed by its writer (after the last message) or aborted."""
@@ -75,6 +78,10 @@ class WorkerDiedError(ExecutorFailedError):
             f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}")
         msg = f"worker rank {rank} died ({how})"
         super().__init__(msg + (f": {detail}" if detail else ""))
+        self.detail = detail
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.rank, self.exitcode, self.detail)
 
 
 class NodeLostError(ExecutorFailedError):
@@ -85,6 +92,10 @@ class NodeLostError(ExecutorFailedError):
         self.host = host
         msg = f"node {node_rank} ({host}) lost"
         super().__init__(msg + (f": {detail}" if detail else ""))
+        self.detail = detail
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.node_rank, self.host, self.detail)
 
 
 class _Brief(reprlib.Repr):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from . import codec, protocol, ring, shm
 from .cluster import COMING_BYTES, ClusterSettings, port_range, resolve_ip, route_to, typed_setting
-from .config import MAX_POLL_S, WaitPolicy
+from .config import MAX_POLL_S, WaitPolicy, flag
 from .curve import curve_dir_from_env, secret_from_env
 from .errors import (
     Cancelled,
@@ -887,7 +887,7 @@ class MultiprocExecutor(Executor):
         self.secret = secret_from_env(secret) if secret or not curve_dir else None
         if self.secret and self.curve_dir:
             raise SettingError("give a cluster secret or a key folder (curve_dir), not both")
-        self.insecure = os.environ.get("ZBUS_INSECURE") == "1" if insecure is None else insecure
+        self.insecure = flag("ZBUS_INSECURE") if insecure is None else insecure
         # (0 is none, as ``metrics_port=int(os.getenv("PORT", 0))`` means it)
         port = typed_setting(int, "metrics_port", metrics_port, None, "ZBUS_METRICS_PORT")
         self.metrics_port = port or None

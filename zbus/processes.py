@@ -315,9 +315,10 @@ def end_followers(followers: list[subprocess.Popen], grace_s: float = 10.0) -> N
         for f in followers:
             if f.poll() is None:
                 f.terminate()
+        until = time.monotonic() + grace_s  # one grace for all: not one after another
         for f in followers:
             try:
-                f.wait(grace_s)
+                f.wait(max(0.0, until - time.monotonic()))
             except subprocess.TimeoutExpired:
                 f.kill()
                 try:

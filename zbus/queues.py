@@ -27,21 +27,11 @@ import zmq
 from . import codec, protocol
 from .config import RingGeometry, WaitPolicy
 from .errors import Cancelled, CodecError, SendTimeout, ZbusError
-from .ring import RingHandle, RingReader, RingWriter
+from .ring import RingHandle, RingReader, RingWriter, deadline_of
 
 WAIT_SLICE_S = 0.1  # a blocked send or lock wait checks its cancel event this often
 LOCK_TURN_S = 0.02  # a send waiting on a full peer lets other threads have the socket this often
 LOCK_PAUSE_S = 0.001  # ... for this long
-
-
-def deadline_of(timeout: float | None) -> float | None:
-    """When ``timeout`` seconds from now are over: None for no limit (None, or more
-    than any wait takes: ``inf``); ValueError for NaN, which no clock reaches."""
-    if timeout is None or timeout >= threading.TIMEOUT_MAX:  # (a lock's wait refuses more)
-        return None
-    if timeout != timeout:
-        raise ValueError("a timeout of NaN seconds")
-    return time.monotonic() + timeout
 
 
 def remaining(deadline: float | None, what: str) -> float | None:

@@ -78,6 +78,16 @@ _I_NREADERS, _I_NCHUNKS, _I_WWAIT, _I_STATE, _I_CLOSED = 2, 3, 32, 33, 34
 _READER_BASE = 192
 
 
+def deadline_of(timeout: float | None) -> float | None:
+    """When ``timeout`` seconds from now are over: None for no limit (None, or more
+    than any wait takes: ``inf``); ValueError for NaN, which no clock reaches."""
+    if timeout is None or timeout >= threading.TIMEOUT_MAX:  # (a lock's wait refuses more)
+        return None
+    if timeout != timeout:
+        raise ValueError("a timeout of NaN seconds")
+    return time.monotonic() + timeout
+
+
 _core = shm.core
 CORE = "compiled" if _core is not None else "python"
 
@@ -325,7 +335,7 @@ class RingWriter(_Ring):
                 self._announce(whole=True)
                 return
         views, lens, offsets, total = _views_and_layout(frames)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout)
         try:
             self.flush(deadline, cancel, on_full)
         except TimeoutError as e:
@@ -588,7 +598,7 @@ class RingReader(_Ring):
         reader holds until its next ``recv`` (or ``close``). Views of it that are
         still alive then get a private copy, so keeping them is safe; dropping
         them before is what saves the copy."""
-        deadline = None if timeout is None else time.monotonic() + timeout  # the copy below counts
+        deadline = deadline_of(timeout)  # the copy below counts
         if self._loan is not None:
             self._end_loan()
         if self._taken is not None:  # read, and an exception (Ctrl-C) cut its return short

@@ -1,9 +1,10 @@
 """POSIX shared-memory segments owned by a process, and the two primitives that
 make them a synchronisation medium: a full memory fence and a doorbell.
 
-Segments live in ``/dev/shm`` and are named ``zbus-<pidns>-<pid>-<starttime>-<n>``:
+Segments live in ``/dev/shm`` and are named ``zbus-<pidns>-<pid>-<starttime>-<n>x<random>``:
 the owner's pid namespace, pid and start time (so a reused pid, or a process of
-another container sharing /dev/shm, is not mistaken for the owner).
+another container sharing /dev/shm, is not mistaken for the owner), a counter and
+8 random hex digits.
 :func:`sweep_stale` removes the segments whose owner is gone; every zbus process
 that creates segments calls it first, so a SIGKILLed owner never fills /dev/shm.
 """
@@ -24,6 +25,7 @@ import time
 import weakref
 from typing import Any, Callable
 
+from .config import flag
 from .errors import ShmSpaceError
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def _load_core() -> Any:
     """The compiled core (``zbus._core``), or None: not built, or ``ZBUS_PURE_PYTHON``."""
-    if os.environ.get("ZBUS_PURE_PYTHON", "") not in ("", "0"):
+    if flag("ZBUS_PURE_PYTHON"):
         return None
     try:
         from . import _core
