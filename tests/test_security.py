@@ -458,18 +458,43 @@ def test_a_leaders_control_message_holding_a_tensor_makes_the_agent_load_nothing
     tensor, before the plain-items check passed it (a dict). After its join, the
     agent decodes the leader's messages as plain data: the message is dropped, and
     nothing loaded. The agent's decode runs in a process of its own, without torch.
-    Sabotage: ``plain=False`` as ``NodeAgent._decode``'s default -> torch loaded."""
+    Sabotage: ``plain=False`` as ``NodeAgent._decode``'s default -> torch loaded.
+
+    While it joined, the agent decoded every message in full (the welcome holds
+    the worker's arguments): such a heartbeat, on the heartbeat topic before any
+    welcome, loaded torch too. Only the node's own topic is decoded in full now;
+    a welcome of plain data still comes through. Sabotage: ``plain=False`` in
+    ``NodeAgent._recv`` -> torch loaded."""
     script = """
-import json, sys, msgpack
+import json, sys, msgpack, zmq
 from zbus.agent import NodeAgent
+from zbus.cluster import TOPIC_HEARTBEAT, node_topic
 tensor = msgpack.ExtType(2, msgpack.packb(["float32", [1], [1], 0]))
-msg = NodeAgent._decode(None, [msgpack.packb(["hb", 1, "session", {"x": tensor}]), bytearray(4)])
-print(json.dumps({"dropped": msg is None, "torch": "torch" in sys.modules}))
+hb = msgpack.packb(["hb", 1, "session", {"x": tensor}])
+msg = NodeAgent._decode(None, [hb, bytearray(4)])
+out = {"dropped": msg is None, "torch": "torch" in sys.modules}
+ctx = zmq.Context()
+agent = NodeAgent.__new__(NodeAgent)  # (no join: its receive alone, from a real socket)
+agent.node_id, agent.sub = "n1", ctx.socket(zmq.PAIR)
+agent.sub.bind("inproc://leader")
+leader = ctx.socket(zmq.PAIR)
+leader.connect("inproc://leader")
+leader.send_multipart([TOPIC_HEARTBEAT, hb, bytes(4)])
+out["joining"] = agent._recv()[1] is None
+out["joining torch"] = "torch" in sys.modules
+leader.send_multipart([node_topic("n1"), msgpack.packb(["welcome", {"rank": 1}])])
+out["welcome"] = agent._recv()[1]
+leader.close(0)
+agent.sub.close(0)
+ctx.term()
+print(json.dumps(out))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=TEST_PATH))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == {"dropped": True, "torch": False}, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {
+        "dropped": True, "torch": False, "joining": True, "joining torch": False,
+        "welcome": ["welcome", {"rank": 1}]}, out.stderr[-2000:]
 
 
 def test_the_metrics_server_drops_a_silent_client_and_answers_a_bad_header_without_a_traceback(

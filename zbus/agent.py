@@ -735,9 +735,12 @@ class NodeAgent:
         return False
 
     def _recv(self) -> tuple[bytes, Any]:
+        """A message while joining: decoded in full on this node's own topic alone
+        (the welcome holds the worker's arguments: tensors or registered types, say);
+        a heartbeat, whoever sent it, as plain data."""
         frames = self.sub.recv_multipart(copy=False)
-        # (the welcome holds the worker's arguments: tensors or registered types, say)
-        return frames[0].bytes, self._decode([f.buffer for f in frames[1:]], plain=False)
+        topic = frames[0].bytes
+        return topic, self._decode([f.buffer for f in frames[1:]], plain=topic != node_topic(self.node_id))
 
     def _decode(self, frames: list, plain: bool = True) -> list | None:
         """A control message (a list of plain items), or None. The leader sends no
