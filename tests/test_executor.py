@@ -1101,6 +1101,70 @@ def test_a_callback_of_a_failed_future_reads_another_at_once():
         ex.shutdown()
 
 
+def test_a_callback_waiting_for_another_future_as_the_executor_fails_gets_the_failure(monkeypatch):
+    """A done-callback (run by the thread that completes futures) waits for a later
+    call's future; a worker dies meanwhile. The callback's wait woke to the failure
+    and left the future to be settled by the failure, whose thread then queued it for
+    the thread that completes futures: the callback's own, which waited for it (for
+    good without a timeout, and no other future completed). The failure's settling
+    is held back 0.2 s here, as a slow thread start would. Sabotage: no
+    ``call.settle`` in ``RpcFuture._read_replies``'s ``except`` -> TimeoutError
+    after 3 s."""
+    from zbus.executor import MultiprocExecutor
+
+    end_soon = MultiprocExecutor._end_workers_soon
+    monkeypatch.setattr(MultiprocExecutor, "_end_workers_soon",
+                        lambda self: (time.sleep(0.2), end_soon(self)))
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    seen: list = []
+    try:
+        first = ex.collective_rpc("sleep", args=(0.2,), non_block=True)
+        second = ex.collective_rpc("sleep", args=(5,), non_block=True)
+        first.add_done_callback(lambda _f: timed_outcome(lambda: second.exception(timeout=3), seen))
+        wait_until(first.done, 20, "the first call's result")
+        time.sleep(0.2)  # (the callback waits for the second's replies)
+        ex._workers.procs[0].kill()
+        wait_until(lambda: len(seen) == 2, 20, "the callback's wait ended")
+        assert isinstance(seen[0], zbus.WorkerDiedError) and seen[1] < 1.0, seen
+        assert second.done() and second.exception(0) is seen[0]
+    finally:
+        ex.shutdown()
+
+
+def test_calls_a_failure_meets_as_one_is_being_settled_complete_in_issue_order(monkeypatch):
+    """The reader of a call's replies took it off the pending calls before settling
+    it: a failure right then settled the later calls first, and their futures
+    completed (their callbacks ran) before the earlier call's. Here its settling
+    is slowed 0.5 s and a worker killed meanwhile. Sabotage: ``popleft()`` before
+    ``head.finish()`` in ``_complete_head`` -> the second call's callback first."""
+    from zbus.executor import Call
+
+    finish = Call.finish
+    slowed: list = []
+
+    def slow_finish(call):
+        if call.future is not None and not slowed:
+            slowed.append(call.seq)
+            time.sleep(0.5)
+        finish(call)
+
+    monkeypatch.setattr(Call, "finish", slow_finish)
+    ex = zbus.Executor(EchoWorker, nproc_per_node=2)
+    order: list = []
+    try:
+        first = ex.collective_rpc("rank_value", args=(1,), non_block=True)
+        second = ex.collective_rpc("sleep", args=(5,), non_block=True)
+        for name, future in (("first", first), ("second", second)):
+            future.add_done_callback(lambda f, name=name: order.append(name))
+        wait_until(lambda: slowed, 20, "the first call's replies read")
+        ex._workers.procs[0].kill()
+        wait_until(lambda: len(order) == 2, 20, "both futures complete")
+        assert order == ["first", "second"], order
+        assert isinstance(second.exception(0), zbus.WorkerDiedError)
+    finally:
+        ex.shutdown()
+
+
 def test_a_callback_that_raises_systemexit_stops_no_completion(ex):
     """``sys.exit()`` in a done-callback run by the completer (Future catches only
     Exception): the completer logs it and lives on; the next futures complete by

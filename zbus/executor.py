@@ -214,10 +214,11 @@ class RpcFuture(concurrent.futures.Future):
             ex = call.executor
             if e is not ex.failure.error and not ex._closed:
                 raise
-            if e is not ex.failure.error:  # shut down: settled now, not once the workers ended
-                call.settle(False, ex.failure.error or e)
-            # the failure or the shutdown settles this future (maybe this very moment):
-            # result() and exception() give it as they give any outcome
+            # The failure or the shutdown settles this future, maybe not yet: settled here
+            # too (the first outcome stands), so that a done-callback that asked for it,
+            # whose thread completes futures, completes it out of turn and does not wait
+            # for a thread that waits for it.
+            call.settle(False, ex.failure.error or e)
 
 
 def _set_outcome(future: RpcFuture, ok: bool, value: Any) -> None:
@@ -1250,11 +1251,14 @@ class MultiprocExecutor(Executor):
         for rank in head.reply_ranks:
             if rank not in head.replies:
                 self._take_reply(head, rank, deadline)
+        # Settled while still pending: a failure that settles every pending call
+        # meanwhile settles this one first or not at all, and their futures complete
+        # in issue order.
+        head.finish()  # (unless settled already: by the monitor, or by an early error)
         self._pending.popleft()
         self._answered = head.seq
         if self._leader is not None:  # replies to it from ranks it did not ask are dropped
             self._leader.path.answered = head.seq
-        head.finish()  # (unless settled already: by the monitor, or by an early error)
         # (heads answered each within a wait's slice end no slice to check the rest)
         if self._pending and time.monotonic() >= self._expired_at + Completer.SLICE_S:
             self._expire_due()
