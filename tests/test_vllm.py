@@ -506,6 +506,55 @@ def test_what_cannot_travel_fails_loudly_and_names_its_type(wire):
     assert len(family._builders) == known
 
 
+def test_no_object_with_a_finalizer_or_a_state_that_shadows_its_code_is_made(wire, tmp_path):
+    """The leader decodes every rank's reply to ``init_worker`` and the like, in
+    vLLM's engine process, where ``vllm.v1.engine.utils`` is loaded: its
+    ``EngineZmqListeners``, a dataclass, unlinks its listeners' ``ipc://`` paths in
+    ``__del__``, and a transformers configuration whose own ``attribute_map`` sends
+    ``.close`` to ``__sizeof__`` stands in for a listener's socket. A reply made of
+    them removed a file of the sender's choosing on the leader's host as it went.
+    Sabotage: no ``_no_finalizer`` in ``_builder`` -> the listeners are made;
+    ``_unsettable`` without ``attribute_map`` -> that configuration is made, and
+    without methods -> a listener whose ``cleanup`` is the sender's; no
+    ``_check_keys`` in ``restore`` -> a media's ``__array__`` is the sender's."""
+    import msgpack
+    import vllm.v1.engine.utils  # noqa: F401 - loaded in the engine's process, as there
+
+    from zbus import codec
+    from zbus.errors import CodecError
+
+    def ext(name, state):
+        return msgpack.ExtType(7, msgpack.packb([f"vllm:{name}", state]))
+
+    def decode(obj):
+        return codec.decode([msgpack.packb(obj)])
+
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    base = "transformers.configuration_utils:PreTrainedConfig"
+    socket = ext(base, {"attribute_map": {"close": "__sizeof__"}})
+    listener = ext("vllm.utils.network_utils:ZmqListener", {"address": f"ipc://{victim}", "socket": socket})
+    listeners = ext("vllm.v1.engine.utils:EngineZmqListeners", {"inputs": [listener], "outputs": []})
+    with pytest.raises(CodecError):
+        decode(listeners)
+    gc.collect()
+    assert victim.read_text() == "kept"
+    with pytest.raises(CodecError, match="EngineZmqListeners'? has a finalizer: not carried"):
+        decode(ext("vllm.v1.engine.utils:EngineZmqListeners", {"inputs": [], "outputs": []}))
+    with pytest.raises(CodecError, match="its state sets 'attribute_map', which is no data of it"):
+        decode(socket)
+    for key in ("cleanup", "close", "__class__", "__dict__"):
+        with pytest.raises(CodecError, match=f"its state sets '{key}'"):
+            decode(ext("vllm.utils.network_utils:ZmqListener", {"address": "x", key: 1}))
+    plain = ext("vllm.utils.network_utils:ZmqListener", {"address": "x", "socket": None})
+    assert decode(plain).address == "x"
+    # a class with its own __setstate__ (which updates the instance dict with the state)
+    media = "vllm.multimodal.media.base:MediaWithBytes"
+    with pytest.raises(CodecError, match="its state sets '__array__'"):
+        decode(ext(media, {"media": 1, "original_bytes": b"", "__array__": 2}))
+    assert decode(ext(media, {"media": 1, "original_bytes": b"x"})).original_bytes == b"x"
+
+
 def test_a_vllm_enum_or_dtype_sent_a_tensor_or_a_long_text_is_refused_briefly(wire, monkeypatch):
     """An enum of vLLM's, or a torch dtype, whose value on the wire is a tensor of
     2^16 elements or 4 MB of text: refused with an error of a few hundred

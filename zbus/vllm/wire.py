@@ -28,6 +28,7 @@ import importlib
 import operator
 import pathlib
 import sys
+import types
 from typing import Any, Callable
 
 from ..codec import TypeFamily, register_family
@@ -182,18 +183,21 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
     if name in _BUILTINS:
         return _BUILTINS[name]
     if name.partition(".")[0].partition(":")[0] in PYDANTIC_PACKAGES:
-        return _validated(_pydantic_class(name))
-    cls = _wire_class(name, state)
+        return _validated(_no_finalizer(_pydantic_class(name), name))
+    cls = _no_finalizer(_wire_class(name, state), name)
     if issubclass(cls, enum.Enum):
         return lambda name, state: _member(cls, state)
     if hasattr(cls, "__struct_fields__"):
         return _expect(dict, lambda state: cls(**state))
     if issubclass(cls, tuple):
         return _expect(list, lambda state: cls(*state))
+    unsettable = _unsettable(cls)
     if getattr(cls, "__setstate__", None) is not None and \
             getattr(cls, "__getstate__", object.__getstate__) is not object.__getstate__:
         def restore(name: str, state: Any) -> Any:
             items, state = _dict_items(cls, name, state)
+            if type(state) is dict:  # (vLLM's update the instance dict with it)
+                _check_keys(name, state, unsettable)
             obj = cls.__new__(cls)
             obj.__setstate__(state)
             if items is not None:
@@ -208,6 +212,7 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
         items, state = _dict_items(cls, name, state)
         if type(state) is not dict or not set(map(type, state)) <= {str}:
             raise CodecError(f"malformed {name}")
+        _check_keys(name, state, unsettable)
         obj = cls.__new__(cls)
         if items is not None:
             dict.update(obj, items)
@@ -220,6 +225,37 @@ def _builder(name: str, state: Any) -> Callable[[str, Any], Any]:
             after(obj)
         return obj
     return fill
+
+
+def _no_finalizer(cls: type, name: str) -> type:
+    """``cls``, unless it has a finalizer: made from what a peer sent, its ``__del__``
+    would act on it (close, unlink what the state names) as the object goes."""
+    if getattr(cls, "__del__", None) is not None:
+        raise CodecError(f"type {name[:200]!r} has a finalizer: not carried")
+    return cls
+
+
+def _unsettable(cls: type) -> frozenset[str]:
+    """What a received state may not set on an instance of ``cls`` (made without
+    ``__init__``): its class's methods and properties, which an instance's value
+    would stand in for (or a slotted class's setter run), and a Hugging Face
+    configuration's ``attribute_map``, through which it reads every attribute
+    (``.close`` read as another method). A field of a dataclass whose default is
+    a function stays data."""
+    fields = set(getattr(cls, "__dataclass_fields__", ()))
+    code = (types.FunctionType, classmethod, staticmethod, property)
+    names = {key for c in cls.__mro__[:-1] for key, value in vars(c).items()
+             if isinstance(value, code) and key not in fields}
+    hf = _hf_config_class()
+    if hf is not None and issubclass(cls, hf):
+        names.add("attribute_map")
+    return frozenset(names)
+
+
+def _check_keys(name: str, state: dict, unsettable: frozenset[str]) -> None:
+    refused = [key for key in state if type(key) is not str or key.startswith("__") or key in unsettable]
+    if refused:
+        raise CodecError(f"{name} refused: its state sets {brief(refused[0])}, which is no data of it")
 
 
 def _dict_items(cls: type, name: str, state: Any) -> tuple[dict | None, Any]:
@@ -324,9 +360,7 @@ def _wire_class(name: str, state: Any) -> type:
 
 def _data_by_base(cls: type) -> bool:
     """Whether ``cls`` is data by its base (a dict, a ``UserDict``, one of
-    :data:`DATA_BASES`), without a finalizer that could act on what it is given."""
-    if getattr(cls, "__del__", None) is not None:
-        return False
+    :data:`DATA_BASES`)."""
     if issubclass(cls, (dict, collections.UserDict)):
         return True
     for base in DATA_BASES:
