@@ -516,7 +516,10 @@ def test_no_object_with_a_finalizer_or_a_state_that_shadows_its_code_is_made(wir
     Sabotage: no ``_no_finalizer`` in ``_builder`` -> the listeners are made;
     ``_unsettable`` without ``attribute_map`` -> that configuration is made, and
     without methods -> a listener whose ``cleanup`` is the sender's; no
-    ``_check_keys`` in ``restore`` -> a media's ``__array__`` is the sender's."""
+    ``_check_keys`` in ``restore`` -> a media's ``__array__`` is the sender's.
+    A value under a property's name stays data (a first version refused it: a Llama
+    configuration with a flag set by ``hf_overrides`` failed the engine's start).
+    Sabotage: ``property`` among ``_unsettable``'s kinds -> refused."""
     import msgpack
     import vllm.v1.engine.utils  # noqa: F401 - loaded in the engine's process, as there
 
@@ -548,6 +551,13 @@ def test_no_object_with_a_finalizer_or_a_state_that_shadows_its_code_is_made(wir
             decode(ext("vllm.utils.network_utils:ZmqListener", {"address": "x", key: 1}))
     plain = ext("vllm.utils.network_utils:ZmqListener", {"address": "x", "socket": None})
     assert decode(plain).address == "x"
+    # a value under a property's name is data: transformers' configurations keep some so
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=128)
+    config.allow_global_per_layer_attribute_access = True  # (vLLM's hf_overrides set it so)
+    assert "allow_global_per_layer_attribute_access" in vars(config)
+    assert round_trip(config).allow_global_per_layer_attribute_access is True
     # a class with its own __setstate__ (which updates the instance dict with the state)
     media = "vllm.multimodal.media.base:MediaWithBytes"
     with pytest.raises(CodecError, match="its state sets '__array__'"):

@@ -237,13 +237,14 @@ def _no_finalizer(cls: type, name: str) -> type:
 
 def _unsettable(cls: type) -> frozenset[str]:
     """What a received state may not set on an instance of ``cls`` (made without
-    ``__init__``): its class's methods and properties, which an instance's value
-    would stand in for (or a slotted class's setter run), and a Hugging Face
-    configuration's ``attribute_map``, through which it reads every attribute
-    (``.close`` read as another method). A field of a dataclass whose default is
-    a function stays data."""
+    ``__init__``): its class's methods, which an instance's value would stand in
+    for, and a Hugging Face configuration's ``attribute_map``, through which it
+    reads every attribute (``.close`` read as another method). A field of a
+    dataclass whose default is a function stays data; so does a value under a
+    property's name, which the property keeps reading (transformers' configurations
+    keep some of theirs so)."""
     fields = set(getattr(cls, "__dataclass_fields__", ()))
-    code = (types.FunctionType, classmethod, staticmethod, property)
+    code = (types.FunctionType, classmethod, staticmethod)
     names = {key for c in cls.__mro__[:-1] for key, value in vars(c).items()
              if isinstance(value, code) and key not in fields}
     hf = _hf_config_class()
