@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import select
 import signal
@@ -520,130 +519,6 @@ def test_publish_keeps_its_deadline_when_a_subscriber_stops_reading(ctx, peer, s
         print(f"{size} B: {taken} taken, slowest call {slowest:.3f} s (timeout {T} s)")
     finally:
         bc.close()
-
-
-SIGNALS_EVERY_20_MS = """
-import json, signal, sys, time, zmq
-from zbus.errors import SendTimeout
-from zbus.queues import deadline_of, send_frames
-
-ctx = zmq.Context()
-pull = ctx.socket(zmq.PULL)  # never read
-pull.setsockopt(zmq.RCVHWM, 1)
-pull.setsockopt(zmq.RCVBUF, 16384)
-port = pull.bind_to_random_port("tcp://127.0.0.1")
-push = ctx.socket(zmq.PUSH)
-push.setsockopt(zmq.SNDHWM, 1)
-push.setsockopt(zmq.SNDBUF, 16384)
-push.connect(f"tcp://127.0.0.1:{port}")
-end = time.monotonic() + 1.0
-while time.monotonic() < end:  # until the peer's queue and both kernels' buffers are full
-    try:
-        push.send(bytes(2**20), zmq.NOBLOCK)
-    except zmq.Again:
-        time.sleep(0.01)
-ticks = []
-signal.signal(signal.SIGALRM, lambda *_: ticks.append(1))  # (returns: the send goes on)
-signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
-start = time.monotonic()
-try:
-    send_frames(push, [b"late"], deadline_of(float(sys.argv[1])), "a send to a full peer")
-    outcome = "sent"
-except SendTimeout as e:
-    outcome = f"timed out, queued={e.queued}"
-took = time.monotonic() - start
-signal.setitimer(signal.ITIMER_REAL, 0)
-print(json.dumps({"outcome": outcome, "took": took, "ticks": len(ticks)}))
-push.close(0)
-pull.close(0)
-ctx.term()
-"""
-
-
-def test_a_send_keeps_its_deadline_under_a_signal_handled_more_often_than_its_wait():
-    """A signal whose Python handler returns (a profiler's timer, here every 20 ms)
-    while a send waits for a full peer: pyzmq sends again after each, for the whole
-    wait slice again (100 ms), so the send never reached its deadline and waited
-    for as long as the peer stayed full. Its blocking sends now hold the thread's
-    signals back (each comes once the slice ends). Sabotage: no ``pthread_sigmask``
-    in ``_send_waiting`` -> still waiting 20 s later."""
-    proc = spawn_python(SIGNALS_EVERY_20_MS, str(T), stdout=subprocess.PIPE, text=True)
-    try:
-        out, _ = proc.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a send with a timeout of {T} s was still waiting 20 s later")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    result = json.loads(out.splitlines()[-1])
-    assert result["outcome"] == "timed out, queued=False" and result["took"] < T + SLACK, result
-    assert result["ticks"] >= 2, result  # (the handler ran: the signals came, held back or not)
-
-
-CTRL_C_AS_A_WAITING_PART_GOES = """
-import json, os, signal, threading, time, zmq
-from zbus import queues
-
-queues.WAIT_SLICE_S = 5.0  # one blocking send: the part goes within it
-ctx = zmq.Context()
-pull = ctx.socket(zmq.PULL)
-pull.setsockopt(zmq.RCVHWM, 1)
-pull.setsockopt(zmq.RCVBUF, 16384)
-port = pull.bind_to_random_port("tcp://127.0.0.1")
-push = ctx.socket(zmq.PUSH)
-push.setsockopt(zmq.SNDHWM, 1)
-push.setsockopt(zmq.SNDBUF, 16384)
-push.connect(f"tcp://127.0.0.1:{port}")
-end = time.monotonic() + 1.0
-while time.monotonic() < end:  # until the peer's queue and both kernels' buffers are full
-    try:
-        push.send(b"filler" + bytes(2**20), zmq.NOBLOCK)
-    except zmq.Again:
-        time.sleep(0.01)
-got = []
-
-def peer():
-    time.sleep(0.5)  # the sender waits in its blocking send, its signals held back
-    os.kill(os.getpid(), signal.SIGINT)  # (this thread takes it: its handler runs as the send returns)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and [b"next"] not in got:
-        if pull.poll(100):
-            msg = pull.recv_multipart()
-            if not msg[0].startswith(b"filler"):
-                got.append(msg)
-
-reader = threading.Thread(target=peer)
-reader.start()
-try:
-    queues.send_frames(push, [b"first", b"second"], None, "a send to a full peer")
-    outcome = "sent"
-except KeyboardInterrupt:
-    outcome = "interrupted"
-queues.send_frames(push, [b"next"], queues.deadline_of(10), "the next send")
-reader.join(15)
-print(json.dumps({"outcome": outcome, "got": [[f.decode() for f in m] for m in got]}))
-push.close(0)
-pull.close(0)
-ctx.term()
-"""
-
-
-def test_ctrl_c_as_a_waiting_part_goes_finishes_its_message():
-    """Ctrl-C taken by another thread (the sending thread holds its signals back
-    while it waits) as the first part of a message, which had to wait for a full
-    peer, goes: its handler runs as the send returns, and the message must be
-    finished, not glued onto the next one. Sabotage: ``took.taken = True`` after
-    the ``_send`` in ``_send_waiting`` -> the peer gets ``first, next``."""
-    proc = spawn_python(CTRL_C_AS_A_WAITING_PART_GOES, stdout=subprocess.PIPE, text=True)
-    try:
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    result = json.loads(out.splitlines()[-1])
-    assert result == {"outcome": "interrupted", "got": [["first", "second"], ["next"]]}, result
 
 
 @pytest.mark.timeout(30)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import signal
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -89,8 +88,8 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
     message would be glued onto the part sent. Python runs a signal's handler as
     a compiled call returns or at the loop's end, never between ``began`` and the
     send (pyzmq's own ``send``, a Python function, would add its entry), so the
-    part in hand counts as sent, exactly; a part that had to wait is sent with the
-    thread's signals held back, and counted before they come back. ``on_queued``
+    part in hand counts as sent, exactly. (The one window left: a handler run in
+    the few steps after a first part that had to wait was taken.) ``on_queued``
     runs once the whole message is queued, before such an exception goes on (in
     its own first step included: it may then run twice). The lock is let go
     inline: a method's first step, where a signal's handler may run, would keep it.
@@ -109,12 +108,8 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
                     _send(sock, frame, flags | zmq.NOBLOCK, True)
                 except zmq.Again:
                     began = i > 0
-                    turn.taken = False
-                    try:
-                        _send_waiting(sock, frame, flags, deadline, what, cancel,
-                                      turn if i == 0 else None, turn)
-                    finally:  # (a handler may run as its signals come back: the part went)
-                        began = began or turn.taken
+                    _send_waiting(sock, frame, flags, deadline, what, cancel, turn if i == 0 else None)
+                    began = True
             whole = True
             if on_queued is not None:
                 on_queued()
@@ -166,24 +161,11 @@ def send_message(sock: zmq.Socket, obj: Any, timeout: float, what: str,
     return True
 
 
-# The signals a blocking send holds back: all but those a fault raises in this very
-# thread (held back, the kernel would end the process).
-_HELD_SIGNALS = signal.valid_signals() - {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL,
-                                          signal.SIGTRAP, signal.SIGSYS, signal.SIGABRT}
-
-
 def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | None, what: str,
-                  cancel: Any, turn: _Turn | None, took: _Turn) -> None:
+                  cancel: Any, turn: _Turn | None) -> None:
     """Send one frame that ZeroMQ did not take at once: blocking sends of at most
     ``WAIT_SLICE_S`` each (``LOCK_TURN_S`` while another thread may want the
-    socket: ``turn``), checking the deadline and ``cancel`` between them.
-
-    Each blocking send runs with this thread's signals held back: pyzmq sends
-    again after a signal whose handler returns, for the whole SNDTIMEO again, so
-    a handler run more often than a slice (a profiler's timer) kept the send from
-    ever reaching its deadline. A held signal comes once the send returned (a
-    Ctrl-C then cuts the wait short); ``took.taken`` says whether the frame went,
-    whenever a handler runs."""
+    socket: ``turn``), checking the deadline and ``cancel`` between them."""
     shared = turn is not None and turn.lock is not None
     try:
         while True:
@@ -194,20 +176,13 @@ def _send_waiting(sock: zmq.Socket, frame: Any, flags: int, deadline: float | No
             if left <= 0:
                 raise SendTimeout(f"{what} timed out", queued=False)
             sock.setsockopt(zmq.SNDTIMEO, max(1, int(left * 1000)))
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
             try:
-                # counted before: another thread may take a signal meanwhile, whose
-                # handler then runs here as the send returns
-                took.taken = True
                 _send(sock, frame, flags, True)
                 return
             except zmq.Again:
-                took.taken = False
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            if shared:  # the socket as the others expect it, before they may take it
-                sock.setsockopt(zmq.SNDTIMEO, -1)
-                turn.let_others()
+                if shared:  # the socket as the others expect it, before they may take it
+                    sock.setsockopt(zmq.SNDTIMEO, -1)
+                    turn.let_others()
     finally:
         if not shared or turn.held:  # (not taken back: another thread's socket now)
             sock.setsockopt(zmq.SNDTIMEO, -1)
@@ -221,7 +196,6 @@ class _Turn:
     def __init__(self, lock: Any, deadline: float | None, what: str, cancel: Any) -> None:
         self.lock, self.deadline, self.what, self.cancel = lock, deadline, what, cancel
         self.held = False
-        self.taken = False  # the frame a wait sent went (see _send_waiting)
 
     def take(self) -> None:
         if self.lock is not None:
