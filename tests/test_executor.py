@@ -1081,6 +1081,16 @@ def test_an_inproc_callback_of_a_later_reply_may_call_the_executor():
         ex.shutdown()
 
 
+def a_callback_reads_the_second(ex, first_s: float, seen: list) -> tuple:
+    """Two non-blocking calls, ``sleep(first_s)`` and ``sleep(5)``; a done-callback
+    of the first records what the second's ``exception(3)`` gives, and how long it
+    took (``timed_outcome``)."""
+    first = ex.collective_rpc("sleep", args=(first_s,), non_block=True)
+    second = ex.collective_rpc("sleep", args=(5,), non_block=True)
+    first.add_done_callback(lambda _f: timed_outcome(lambda: second.exception(timeout=3), seen))
+    return first, second
+
+
 def test_a_callback_of_a_failed_future_reads_another_at_once():
     """A worker is killed with two calls pending: the failure settles both before
     their futures complete, so a callback of the first reads the second's error at
@@ -1091,9 +1101,7 @@ def test_a_callback_of_a_failed_future_reads_another_at_once():
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     seen: list = []
     try:
-        first = ex.collective_rpc("sleep", args=(5,), non_block=True)
-        second = ex.collective_rpc("sleep", args=(5,), non_block=True)
-        first.add_done_callback(lambda _f: timed_outcome(lambda: second.exception(timeout=3), seen))
+        a_callback_reads_the_second(ex, 5, seen)
         ex._workers.procs[0].kill()
         wait_until(lambda: len(seen) == 2, 20, "the callback ran")
         assert isinstance(seen[0], zbus.WorkerDiedError) and seen[1] < 1.0, seen
@@ -1118,9 +1126,7 @@ def test_a_callback_waiting_for_another_future_as_the_executor_fails_gets_the_fa
     ex = zbus.Executor(EchoWorker, nproc_per_node=2)
     seen: list = []
     try:
-        first = ex.collective_rpc("sleep", args=(0.2,), non_block=True)
-        second = ex.collective_rpc("sleep", args=(5,), non_block=True)
-        first.add_done_callback(lambda _f: timed_outcome(lambda: second.exception(timeout=3), seen))
+        first, second = a_callback_reads_the_second(ex, 0.2, seen)
         wait_until(first.done, 20, "the first call's result")
         time.sleep(0.2)  # (the callback waits for the second's replies)
         ex._workers.procs[0].kill()

@@ -135,10 +135,9 @@ def flag(name: str) -> bool:
     unset (any case). Anything else is refused: ``ZBUS_PURE_PYTHON=false`` must not
     turn it on, nor ``ZBUS_ALLOW_IMPORT_CALLS=true`` leave it off unsaid."""
     text = os.environ.get(name, "")
-    if text.strip().lower() in _ON:
-        return True
-    if text.strip().lower() in _OFF:
-        return False
+    value = text.strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
     raise SettingError(f"{name}={text!r}: expected 1 or 0 (true/false, yes/no, on/off)")
 
 
