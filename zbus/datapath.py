@@ -726,7 +726,8 @@ class DataPath:
         ``other-session`` (a member's message naming another leader's session),
         ``bad-status``, ``not-owner`` (a key speaking for another node),
         ``handler`` / ``io-loop`` (a message that broke its handler),
-        ``backlog`` (too many control messages waiting)."""
+        ``backlog`` (too many control messages waiting), ``gap-too-soon`` (a node's
+        ask for lost calls within ``GAP_EVERY_S`` of its last)."""
         return self.metrics.drops()
 
     def close(self, linger_s: float) -> None:

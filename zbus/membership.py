@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 MEMBER_KINDS = ("hb", "died", "leaving", "gap")
 MAX_PENDING_JOINS = 256  # joins waiting for their node's subscription
 MAX_NODE_TOPICS = 4096  # node topics subscribed while the cluster forms
+# A node's ask for lost calls is answered at most this often (its agent asks every
+# 0.5 s): each answer scans the kept calls and may wait for the node's queue, and
+# what the asks of a node that reads none of them queue stays there.
+GAP_EVERY_S = 0.25
 # The types of the join fields a node sends (``NodeAgent._join``); node_rank may be None.
 JOIN_TYPES = {"version": int, "nproc": int, "host": str, "address": str, "node_rank": int, "pid": int,
               "max_message": int}
@@ -87,14 +91,15 @@ class NodeInfo:
 
 
 
-_NODE_ID = re.compile(r"[0-9a-f]{1,32}")
+_NODE_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def node_id_ok(node_id: Any) -> bool:
     """Whether ``node_id`` may be a node's id, on whose topic the leader answers: an
-    agent's is 16 hex digits. A topic is a prefix: an id made of a member's and a
-    suffix ("R", "R*") would reach that member as a call; hex digits cannot (and a
-    node topic over 33 bytes is never subscribed)."""
+    agent's, 16 hex digits. A topic is a prefix: an id made of a member's and a
+    suffix would have what the leader says to it reach that member too ("R", "R*":
+    as a call; more hex digits: its welcome, heartbeats and calls sent again,
+    filling the member's backlog); ids of one length are prefixes of none."""
     return type(node_id) is str and _NODE_ID.fullmatch(node_id) is not None
 
 class Membership:
@@ -117,6 +122,7 @@ class Membership:
         self._joins: dict[str, dict] = {}
         self._subscribed: dict[bytes, None] = {}  # node topics subscribed, oldest first
         self._probing: dict[str, NodeInfo] = {}
+        self._gap_answered: dict[int, float] = {}  # node rank: when its last ask for lost calls was
         self._dropped_ids: dict[str, None] = {}  # dropped while probed (the latest, in order)
         self._welcome_spec: dict = {}
         self.session = path.session
@@ -458,6 +464,12 @@ class Membership:
             self._on_subscribed(msg[1])
         elif kind == "gap" and len(msg) == 4 and type(msg[1]) is int and msg[1] in self.nodes:
             node = self.nodes[msg[1]]  # its agent saw calls go missing (a reset connection)
+            now = time.monotonic()
+            if now < self._gap_answered.get(node.node_rank, -GAP_EVERY_S) + GAP_EVERY_S:
+                self.path.drop(f"node {node.node_rank} asked for lost calls again within {GAP_EVERY_S} s",
+                               "gap-too-soon")
+                return
+            self._gap_answered[node.node_rank] = now
             sent = self.path.resend(node.node_id, node.node_rank, msg[2])
             if sent is None:
                 self.failure.fail(NodeLostError(node.node_rank, node.host,
