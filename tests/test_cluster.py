@@ -1690,6 +1690,26 @@ def test_a_join_that_waited_for_the_last_node_being_probed_is_refused_as_late():
         ctx.term()
 
 
+JOIN_INFO = {"version": protocol.PROTOCOL_VERSION, "nproc": 1, "host": "node-1", "address": "10.0.0.2",
+             "node_rank": 1, "pid": 7}  # a well-formed join's fields
+
+
+@contextlib.contextmanager
+def a_forming_leader_and_a_push():
+    """A leader of 2 nodes, forming, and a PUSH socket to its port: ``(leader, push)``."""
+    lead, port = bare_leader(nnodes=2)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    try:
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        lead.start()
+        yield lead, push
+    finally:
+        lead.close()
+        push.close(linger=0)
+        ctx.term()
+
+
 def test_a_join_whose_host_or_address_is_long_or_unprintable_is_dropped():
     """A join's host and address go into the leader's log lines, its failures'
     texts and ``zbus status``: a peer's join with a name of 1000 bytes (up to 60 KB
@@ -1701,25 +1721,14 @@ def test_a_join_whose_host_or_address_is_long_or_unprintable_is_dropped():
     least a node can have, or not a number, is dropped the same way (those would
     refuse every call, or fail each: sabotage: no ``max_message`` check in
     ``_join_field_ok`` -> the first is kept)."""
-    lead, port = bare_leader(nnodes=2)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    try:
-        push.connect(f"tcp://127.0.0.1:{port + 1}")
-        lead.start()
-        good = {"version": protocol.PROTOCOL_VERSION, "nproc": 1, "host": "node-1", "address": "10.0.0.2",
-                "node_rank": 1, "pid": 7}
+    with a_forming_leader_and_a_push() as (lead, push):
         bad = [{"host": "x" * 1000}, {"host": "n\nnode 9 joined: forged"}, {"host": "\x1b]0;owned\x07"},
                {"address": "1" * 300}, {"max_message": 2**16 - 1}, {"max_message": "4G"}]
         for i, fields in enumerate([*bad, {}]):
-            push.send_multipart(codec.encode(["join", f"{i:016x}", dict(good, **fields)]))
+            push.send_multipart(codec.encode(["join", f"{i:016x}", dict(JOIN_INFO, **fields)]))
         wait_until(lambda: lead.dropped_by.get("bad-join") == len(bad), 10, "the bad joins dropped")
         wait_until(lambda: f"{len(bad):016x}" in lead.membership._joins, 10, "the real join kept")
         assert len(lead.membership._joins) == 1
-    finally:
-        lead.close()
-        push.close(linger=0)
-        ctx.term()
 
 
 def test_a_node_id_is_16_hex_digits_so_that_none_is_a_prefix_of_another():
@@ -1729,23 +1738,12 @@ def test_a_node_id_is_16_hex_digits_so_that_none_is_a_prefix_of_another():
     member too: its welcome, heartbeats, calls sent again, up to the member's
     backlog. Sabotage: ``{1,32}`` again in ``membership._NODE_ID`` -> that join is
     kept."""
-    lead, port = bare_leader(nnodes=2)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    try:
-        push.connect(f"tcp://127.0.0.1:{port + 1}")
-        lead.start()
-        info = {"version": protocol.PROTOCOL_VERSION, "nproc": 1, "host": "node-1", "address": "10.0.0.2",
-                "node_rank": 1, "pid": 7}
+    with a_forming_leader_and_a_push() as (lead, push):
         for node_id in ("ab" * 8 + "0", "ab" * 7, "AB" * 8, "ab" * 8):
-            push.send_multipart(codec.encode(["join", node_id, info]))
+            push.send_multipart(codec.encode(["join", node_id, JOIN_INFO]))
         wait_until(lambda: "ab" * 8 in lead.membership._joins, 10, "the join of a 16-digit id kept")
         wait_until(lambda: lead.dropped_by.get("bad-join") == 3, 10, "the other ids dropped")
         assert list(lead.membership._joins) == ["ab" * 8]
-    finally:
-        lead.close()
-        push.close(linger=0)
-        ctx.term()
 
 
 def test_joins_after_formation_from_a_peer_that_reads_no_answer_do_not_hold_up_heartbeats():
