@@ -12,6 +12,7 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -387,6 +388,39 @@ def test_a_message_ctrl_c_cut_short_is_finished_not_glued_to_the_next(ctx):
         signal.signal(signal.SIGUSR1, old)
         sub.close()
         bc.close()
+
+
+def test_sending_a_message_runs_no_python_step_but_its_own(ctx):
+    """Between marking a part begun and handing it to ZeroMQ, ``send_frames`` runs
+    no Python function: a signal's handler runs only at such a step (or as a
+    compiled call returns), so a part counted as sent was sent. pyzmq's flags are
+    enum members, whose ``|`` is a Python function: a Ctrl-C landing there counted
+    a part that never went as sent, and the rest of the message was then "finished"
+    without its first part. Sabotage: ``zmq.SNDMORE`` / ``zmq.NOBLOCK`` again in
+    place of the ints -> enum's ``__or__`` runs inside the send."""
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        port = bind(pull, HOST)
+        push.connect(f"tcp://{HOST}:{port}")
+        frames = [b"env", b"x" * 10, b"tail"]
+        send_frames(push, frames, time.monotonic() + 5, "warm-up")
+        called = []
+
+        def profile(frame, event, arg):
+            if event == "call":
+                called.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+
+        sys.setprofile(profile)
+        try:
+            send_frames(push, frames, time.monotonic() + 5, "a message")
+        finally:
+            sys.setprofile(None)
+        assert called and set(called) <= {"queues.py:send_frames", "queues.py:__init__",
+                                           "queues.py:take"}, called
+        assert recv(pull) == frames and recv(pull) == frames
+    finally:
+        push.close(0)
+        pull.close(0)
 
 
 def test_broadcaster_without_remote_side_cannot_wait_for_subscribers():

@@ -244,6 +244,7 @@ class RemoteReceiver:
 
 
 _recv = zmq.backend.Socket.recv  # (compiled, unlike zmq.Socket.recv: no Python step inside)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (ints: an enum's ``&`` is a Python function)
 
 
 def _rest_of(sock: zmq.Socket, frames: list) -> None:
@@ -531,7 +532,7 @@ class DataPath:
         for _ in range(256):
             if not self._read_one() or time.monotonic() > end:
                 break
-            if not self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (no exception to build when empty)
+            if not self.pull.getsockopt(_EVENTS) & _POLLIN:  # (no exception to build when empty)
                 break
 
     def _read_one(self) -> bool:

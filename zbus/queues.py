@@ -65,6 +65,9 @@ def bracket(host: str) -> str:
 
 
 _send = zmq.backend.Socket.send  # (compiled, unlike zmq.Socket.send: see send_frames)
+# The flags as plain ints: pyzmq's are enum members, whose ``|`` is a Python function
+# (a step where a signal's handler may run, see send_frames) and costs a microsecond.
+_MORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None, what: str,
@@ -102,10 +105,10 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], deadline: float | None,
         last, i, began, whole = len(frames) - 1, 0, False, False
         try:
             for i, frame in enumerate(frames):
-                flags = zmq.SNDMORE if i < last else 0
+                flags = _MORE if i < last else 0
                 began = True
                 try:
-                    _send(sock, frame, flags | zmq.NOBLOCK, True)
+                    _send(sock, frame, flags | _NOBLOCK, True)
                 except zmq.Again:
                     began = i > 0
                     _send_waiting(sock, frame, flags, deadline, what, cancel, turn if i == 0 else None)
@@ -130,7 +133,7 @@ def _finish(sock: zmq.Socket, frames: Sequence[Any], start: int,
     last = len(frames) - 1
     try:
         for i in range(start, last + 1):
-            _send(sock, frames[i], (zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, True)
+            _send(sock, frames[i], (_MORE if i < last else 0) | _NOBLOCK, True)
     except zmq.ZMQError:
         return  # the socket is closing: it sends nothing more
     if on_queued is not None:
