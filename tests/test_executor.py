@@ -27,7 +27,7 @@ from conftest import (
     wait_until,
     zbus_segments,
 )
-from workers import EchoWorker
+from workers import EchoWorker, UndecodableStartWorker
 
 import zbus
 from zbus import codec, protocol
@@ -2238,6 +2238,23 @@ def test_an_error_whose_text_cannot_be_made_is_answered_and_the_worker_serves_on
         with pytest.raises(zbus.RemoteError, match="Unprintable"):
             ex.collective_rpc("unprintable", timeout=10)
         assert ex.collective_rpc("rank_value", args=(1,), timeout=10) == [10]
+
+
+def test_an_error_whose_text_holds_bytes_that_are_not_utf8_travels_as_itself():
+    """A worker's error names a file whose name is no UTF-8 (Python decodes it with
+    ``surrogateescape``): the caller gets its type and text, the bytes in
+    backslash form, at a call and at start-up. Before, msgpack refused the lone
+    surrogate: the call's error came back as the worker's own CodecError ("cannot
+    encode: UnicodeEncodeError"), and at start-up the worker exited 1 without
+    telling why. Sabotage: no ``_utf8`` in the codec's error branch."""
+    with zbus.Executor(EchoWorker, nproc_per_node=1) as ex:
+        with pytest.raises(zbus.RemoteError) as got:
+            ex.collective_rpc("boom_undecodable", timeout=10)
+        assert got.value.type_name == "ValueError" and got.value.message == "cannot load model-\\udcff"
+        assert "boom_undecodable" in got.value.remote_traceback
+        assert ex.collective_rpc("rank_value", args=(1,), timeout=10) == [10]
+    with pytest.raises(zbus.StartupError, match=r"ValueError: cannot load model-\\udcff"):
+        zbus.Executor(UndecodableStartWorker, nproc_per_node=1, startup_timeout=30)
 
 
 def test_a_reply_sent_later_is_not_kept_by_the_reply_thread():

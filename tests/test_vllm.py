@@ -201,6 +201,51 @@ def test_model_runner_and_grammar_outputs_round_trip(wire):
     assert type(got) is GrammarOutput and (got.grammar_bitmask == grammar.grammar_bitmask).all()
 
 
+def test_an_error_of_vllms_own_raised_on_a_worker_reaches_the_engine_with_its_text(wire):
+    """A worker's error of a vLLM class (a LoRA adapter not found, in ``add_lora``
+    or a step) travels as any error does: its type's name, text and traceback.
+    Before, vLLM's family took it as one of vLLM's objects, which the leader
+    refuses to build (no data type): the engine got "cannot decode the reply"
+    instead of vLLM's message. Sabotage: the codec's exception branch after the
+    families again -> CodecError "not a data type of vLLM"."""
+    from vllm.exceptions import LoRAAdapterNotFoundError
+
+    from zbus import codec
+
+    try:
+        raise LoRAAdapterNotFoundError("sql-lora", "/nope")
+    except LoRAAdapterNotFoundError as e:
+        got = round_trip([0, 7, 1, e])
+    info = got[3]
+    assert type(info) is codec.ExceptionInfo
+    assert info.type_name == "vllm.exceptions.LoRAAdapterNotFoundError"
+    assert "/nope" in info.message and "LoRAAdapterNotFoundError" in info.traceback
+
+
+def test_a_failed_model_step_is_logged_with_its_traceback_by_the_rank_that_answers(caplog):
+    """The engine that a failed step ends shows only the error's text (``RemoteError``
+    holds the traceback, which it never prints): the answering rank logs the
+    error with its frames, as vLLM's own workers do; a rank that does not answer
+    logs it through zbus's worker loop. Here the step fails in vLLM's wrapper,
+    which has no worker yet. Sabotage: no log in ``VllmWorker._logged`` -> no
+    record."""
+    import logging
+
+    from zbus.vllm.worker import VllmWorker
+
+    worker = VllmWorker()
+    for replying, records in ((True, 1), (False, 0)):
+        worker.replying = replying
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="zbus.vllm.worker"):
+            with pytest.raises(Exception) as raised:  # (vLLM's wrapper looks its missing worker up)
+                worker.execute_model(None)
+        got = [r for r in caplog.records if r.name == "zbus.vllm.worker"]
+        assert len(got) == records, got
+        if records:
+            assert "execute_model" in got[0].getMessage() and got[0].exc_info[1] is raised.value
+
+
 def test_the_engine_configuration_round_trips(wire, tmp_path):
     """The VllmConfig that reaches a worker describes the same engine."""
     from vllm import EngineArgs

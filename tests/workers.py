@@ -64,6 +64,9 @@ class EchoWorker(zbus.Worker):
     def boom(self, msg="boom"):
         raise ValueError(msg)
 
+    def boom_undecodable(self):
+        raise ValueError("cannot load " + os.fsdecode(b"model-\xff"))  # (a lone surrogate)
+
     def sleep(self, seconds):
         time.sleep(seconds)
         return self.rank
@@ -318,6 +321,11 @@ class SlowExitWorker(EchoWorker):
 
 class NotAWorker:
     pass
+
+
+class UndecodableStartWorker(zbus.Worker):
+    def __init__(self):
+        raise ValueError("cannot load " + os.fsdecode(b"model-\xff"))
 
 
 class SlowStartWorker(zbus.Worker):

@@ -88,6 +88,13 @@ class ExceptionInfo:
         return cls(name, message, tb)
 
 
+def _utf8(text: Any) -> Any:
+    """``text`` as UTF-8 can carry it: a file name or argument Python decoded with
+    ``surrogateescape`` holds lone surrogates, which msgpack refuses (the error
+    would travel as a CodecError of its own instead). Kept in backslash form."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if type(text) is str else text
+
+
 def register(cls: type, name: str | None = None) -> type:
     """Allow dataclass ``cls`` on the wire. Both ends must register it under the
     same name (default ``module.QualName``). Usable as a class decorator."""
@@ -184,16 +191,17 @@ class _Encoder:
         if name is not None and _registry.get(name) is t:
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
             return _ext(_DATACLASS, self.pack([name, fields]))
+        # An error travels as its type's name, text and traceback, whatever family
+        # its module's types belong to: the receiver may not rebuild that class.
+        if isinstance(obj, (BaseException, ExceptionInfo)):
+            info = obj if isinstance(obj, ExceptionInfo) else ExceptionInfo.from_exception(obj)
+            return _ext(_EXCEPTION, self.pack([_utf8(info.type_name), _utf8(info.message),
+                                               _utf8(info.traceback)]))
         for family in _families.values():
             reduced = family.reduce(obj)
             if reduced is not None:
                 _family_of[t] = family
                 return self._object(family, reduced)
-        if isinstance(obj, BaseException):
-            info = ExceptionInfo.from_exception(obj)
-            return _ext(_EXCEPTION, self.pack([info.type_name, info.message, info.traceback]))
-        if isinstance(obj, ExceptionInfo):
-            return _ext(_EXCEPTION, self.pack([obj.type_name, obj.message, obj.traceback]))
         for base in (bool, int, float, str, bytes, list, dict):  # subclasses: IntEnum, np.float64, ...
             if isinstance(obj, base):
                 return base(obj)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ..cluster import resolve_ip, route_to
 from ..errors import ZbusError
@@ -16,6 +17,7 @@ from ..worker import Worker, on_exit
 from .wire import load_wire_modules
 
 load_wire_modules()
+log = logging.getLogger(__name__)
 
 # Comma-separated names this node allows a leader's configuration to name as code
 # (see check_remote_config: a worker class or extension, logits processors, a KV
@@ -112,10 +114,21 @@ class VllmWorker(Worker):
         enable_envs_cache()
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        return self._output(self.wrapper.execute_model(scheduler_output))
+        return self._output(self._logged(self.wrapper.execute_model, scheduler_output))
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        return self._output(self.wrapper.sample_tokens(grammar_output))
+        return self._output(self._logged(self.wrapper.sample_tokens, grammar_output))
+
+    def _logged(self, step: Callable[..., Any], *args: Any) -> Any:
+        """A model step, whose error the answering rank logs with its traceback, as
+        vLLM's own workers do: the engine it ends shows only the error's text. (A
+        rank that does not answer logs it anyway: see ``zbus.worker``.)"""
+        try:
+            return step(*args)
+        except Exception:
+            if self.replying:
+                log.exception("a model step (%s) failed on rank %d", step.__name__, self.rank)
+            raise
 
     def shutdown(self) -> None:
         """vLLM's worker shutdown, then its parallel groups (their shared-memory
@@ -142,7 +155,7 @@ class VllmWorker(Worker):
             if self._outputs is None:  # (async scheduling) one thread keeps them in order
                 self._outputs = concurrent.futures.ThreadPoolExecutor(
                     1, "zbus-vllm-output", initializer=self._on_this_device)
-            return self._outputs.submit(output.get_output)
+            return self._outputs.submit(self._logged, output.get_output)
         return output
 
     def _on_this_device(self) -> None:
