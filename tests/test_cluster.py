@@ -1264,6 +1264,41 @@ def test_a_ctrl_c_in_the_leaders_close_still_frees_its_ports():
         end_process(proc)
 
 
+def test_a_ctrl_c_in_the_metrics_servers_shutdown_still_frees_the_leaders_ports():
+    """As above, the Ctrl-C landing in the wait of the metrics server's shutdown
+    (up to 0.5 s for its thread): the leader still closes. Before, the server and
+    the leader were one step of the teardown: the leader's ports stayed bound and
+    its I/O thread ran for the process's life. Sabotage: ``_free``'s steps one
+    after the other again."""
+    port, metrics = free_port_pair(), free_port_pair()
+    proc, ex = follower(port, "--node-rank", "1"), None
+    try:
+        ex = leader(port, nnodes=2, liveness_s=5.0, join_timeout=60, metrics_port=metrics)
+        assert len(ex.collective_rpc("echo", timeout=30)) == 2
+        server = ex._metrics_server[0]
+        real = server.shutdown
+
+        def ctrl_c() -> None:  # once, as its wait ends
+            server.shutdown = real
+            real()
+            raise KeyboardInterrupt
+
+        server.shutdown = ctrl_c
+        with pytest.raises(KeyboardInterrupt):
+            ex.shutdown()
+        assert proc.wait(30) == 0
+        assert not [t for t in threading.enumerate() if t.name == "zbus-leader-io"]
+        for p in (port, port + 1, metrics):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", p))
+                s.listen()
+    finally:
+        if ex is not None:
+            ex.shutdown()
+        end_process(proc)
+
+
 def test_the_leader_closes_its_xpub_only_once_no_thread_sends_on_it():
     """A ZeroMQ socket is not thread-safe: closed while another thread is inside a
     send on it, libzmq may crash. A thread holds ``xpub_lock`` (as a caller's send
@@ -2247,6 +2282,45 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
             assert procs[0].wait(8) == 0
             said = procs[0].stderr.read()
             assert "asked to stop: SIGTERM" not in said, said
+        finally:
+            node2[0].resume()
+
+
+def test_a_shutdown_that_cancels_a_caller_blocked_on_a_stalled_node_still_stops_its_own_worker():
+    """As above, with a caller blocked sending a call (no timeout) to the stalled
+    node: the shutdown cancels it (ZbusError), and then its STOP still reaches the
+    leader's own worker, which exits 0 at once. Before, the STOP went with the
+    executor's cancel event, which the shutdown had just set: nothing was sent, and
+    the worker waited out its 5 s grace to end by SIGTERM (143). Sabotage:
+    ``self.failure.cancel`` again for the STOP in ``MultiprocExecutor._publish_stop``."""
+    with leader_and_two_followers(liveness_s=10.0) as (ex, procs, node2):
+        lead = ex._leader
+        topic = node_topic(lead.nodes[2].node_id)
+        node2[0].suspend()
+        try:
+            filled = 0
+            while filled < 2000 and lead.path.send_control(topic, ["filler", bytes(2**18)], wait=False):
+                filled += 1
+            assert filled < 2000, "node 2's queue never filled"
+            got = []
+
+            def call() -> None:
+                try:
+                    ex.collective_rpc("echo", args=(1,))
+                except Exception as e:  # noqa: BLE001 - the test reads it
+                    got.append(e)
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            wait_until(lambda: ex._send_lock._owner == caller.ident, 10, "the caller sending")
+            time.sleep(0.3)  # (its send waiting on node 2)
+            assert caller.is_alive() and not got
+            start = time.monotonic()
+            ex.shutdown()
+            caller.join(10)
+            assert [type(e) for e in got] == [zbus.ZbusError], got
+            assert [p.returncode for p in ex._workers.procs] == [0]
+            assert time.monotonic() - start < 4.5
         finally:
             node2[0].resume()
 

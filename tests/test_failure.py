@@ -55,6 +55,33 @@ def test_the_first_error_wins_and_callbacks_run_once_with_it():
         failure.raise_if_failed()
 
 
+def test_a_ctrl_c_as_the_failure_is_logged_still_sets_cancel_and_runs_the_callbacks():
+    """A Ctrl-C (a logging handler's KeyboardInterrupt, which ``logging`` lets
+    through) as the failure is logged: it goes on, but ``cancel`` is set and every
+    callback runs first. Before, the error was set and the callbacks taken, then
+    nothing: no wait was woken, no ring aborted, vLLM's engine never heard (its
+    callback list was gone), and a later ``fail`` is a no-op. Sabotage: the
+    logging outside the ``try`` in ``Failure.fail``."""
+    import logging
+
+    class Interrupting(logging.Handler):
+        def emit(self, record):
+            raise KeyboardInterrupt
+
+    failure, got = Failure(), []
+    failure.on_failure(got.append)
+    handler = Interrupting()
+    logger = logging.getLogger("zbus.failure")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            failure.fail(ValueError("x"))
+    finally:
+        logger.removeHandler(handler)
+    assert failure.cancel.is_set() and [str(e) for e in got] == ["x"]
+    assert type(failure.error) is ValueError
+
+
 def test_a_callback_registered_after_the_failure_runs_at_once():
     failure = Failure()
     error = zbus.NodeLostError(1, "h")

@@ -1081,7 +1081,7 @@ class MultiprocExecutor(Executor):
             try:
                 self._seq = seq
                 self._pending.append(call)
-                self._publish(frames, size, deadline, nodes_got)
+                self._publish(frames, size, deadline, nodes_got, self.failure.cancel)
                 call.sent = True
                 if call.future is not None:  # every rank has it: too late to cancel
                     call.future.sent()
@@ -1105,8 +1105,10 @@ class MultiprocExecutor(Executor):
         self._complete_until(call, deadline)
         return call.value()
 
-    def _publish(self, frames: list, size: int, deadline: float | None, nodes_got: list[bool]) -> None:
-        """One call to every rank: the local ring, and one copy per follower node.
+    def _publish(self, frames: list, size: int, deadline: float | None, nodes_got: list[bool],
+                 cancel: threading.Event | None) -> None:
+        """One call to every rank: the local ring, and one copy per follower node,
+        until ``deadline`` or ``cancel`` is set.
         Once the nodes' copy is queued (``nodes_got[0]`` then True), the leader
         records the call (heartbeats carry the last call number sent, so a node that
         lost calls in a reset connection finds out without a next call) and keeps a
@@ -1123,7 +1125,7 @@ class MultiprocExecutor(Executor):
             self._leader.sent(self._seq, frames)
 
         topic = self._leader.rpc_topic if self._leader is not None else b""
-        self._bcast.publish_frames(frames, left, topic, self._drain_ready, self.failure.cancel, lock,
+        self._bcast.publish_frames(frames, left, topic, self._drain_ready, cancel, lock,
                                    queued if self._leader is not None else None)
 
     def _send_cut_short(self, call: Call, got: list[bool], error: BaseException) -> None:
@@ -1417,13 +1419,14 @@ class MultiprocExecutor(Executor):
     def _publish_stop(self, stop: list) -> None:
         """STOP to every rank; to the local ones still when a node takes nothing (it
         hears the leader's bye, sent to each node on its own): they end cleanly now,
-        not by SIGTERM once their grace is over."""
+        not by SIGTERM once their grace is over. Not cancelled by the shutdown's
+        own cancel (it wakes the callers blocked on a full node): 1 s bounds it."""
         try:
-            self._publish(stop, 0, deadline_of(1.0), [False])
+            self._publish(stop, 0, deadline_of(1.0), [False], None)
         except SendTimeout as e:
             if e.queued or self._bcast.ring is None:
                 raise
-            self._bcast.ring.send(stop, 1.0, self.failure.cancel)
+            self._bcast.ring.send(stop, 1.0)
 
     def _wake_callers(self) -> None:
         """Fail the pending calls and wake every blocked wait: a send is cancelled,
@@ -1436,16 +1439,23 @@ class MultiprocExecutor(Executor):
             self._leader.abort_receivers()
 
     def _free(self) -> None:
+        """Free the queues, the metrics server and the links, each whatever cut the
+        one before short (the server's shutdown waits up to 0.5 s for its thread)."""
+        run_every(self._free_replies, self._close_metrics_server, self._close_links)
+
+    def _free_replies(self) -> None:
         self._pending.clear()
         for rx in self._receivers[:self.nproc_per_node]:  # the rest are the leader's (aborted)
             rx.close()
         for h in self._resp_handles:
             shm.unlink(h.name)
-        if self._metrics_server is not None:
-            server = self._metrics_server[0] if isinstance(self._metrics_server, tuple) else None
-            if server is not None:
-                server.shutdown()
-                server.server_close()
+
+    def _close_metrics_server(self) -> None:
+        server = self._metrics_server[0] if isinstance(self._metrics_server, tuple) else None
+        if server is not None:
+            run_every(server.shutdown, server.server_close)
+
+    def _close_links(self) -> None:
         if self._leader is not None:
             self._leader.close()
         elif self._bcast is not None:

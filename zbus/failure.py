@@ -37,14 +37,18 @@ class Failure:
         """Fail with ``error`` unless failed or closed already (the first error wins);
         whether this call did. Sets ``cancel``, then runs each callback once, in
         the order they came, outside the lock (a callback may call back in)."""
-        with self._lock:
-            if self.error is not None or self._closed:
-                return False
-            self.error = error
-            callbacks, self._callbacks = self._callbacks, []
-        log.error("executor failed: %s", error)
-        self.cancel.set()
-        _run(callbacks, error)
+        mine, callbacks = False, []
+        try:
+            with self._lock:
+                if self.error is not None or self._closed:
+                    return False
+                self.error, mine = error, True  # (no step between them where a handler runs)
+                callbacks, self._callbacks = self._callbacks, []
+            log.error("executor failed: %s", error)
+        finally:  # (a Ctrl-C as it logs, say: the failure still takes its whole path)
+            if mine:
+                self.cancel.set()
+                _run(callbacks, error)
         return True
 
     def on_failure(self, callback: Callback) -> None:
