@@ -1145,7 +1145,7 @@ def test_a_ctrl_c_as_a_remote_reply_is_read_off_the_socket_loses_no_reply(when, 
         def ctrl_c_between_frames(sock, frames):
             if frames[-1].more:
                 ctrl_c_once()
-            rest_of(sock, frames)
+            return rest_of(sock, frames)
         if when == "filing":
             monkeypatch.setattr(datapath.RemoteReceiver, "put", ctrl_c_then_put)
         else:
@@ -2315,12 +2315,10 @@ def test_a_shutdown_that_cancels_a_caller_blocked_on_a_stalled_node_still_stops_
             wait_until(lambda: ex._send_lock._owner == caller.ident, 10, "the caller sending")
             time.sleep(0.3)  # (its send waiting on node 2)
             assert caller.is_alive() and not got
-            start = time.monotonic()
             ex.shutdown()
             caller.join(10)
             assert [type(e) for e in got] == [zbus.ZbusError], got
-            assert [p.returncode for p in ex._workers.procs] == [0]
-            assert time.monotonic() - start < 4.5
+            assert [p.returncode for p in ex._workers.procs] == [0]  # (not SIGTERM at its grace's end)
         finally:
             node2[0].resume()
 

@@ -55,6 +55,9 @@ for i in range(count):
                + (2 * k).to_bytes(4, "big") + b"\x00\xcc\x80" * k]
     elif mode == "lists":    # no reply, under 64 KiB: a list of `size` empty lists (1 byte each)
         msg = [b"\x92\xa2xx\xdd" + size.to_bytes(4, "big") + b"\x90" * size]
+    elif mode in ("frames", "replyframes"):  # one message of `size` empty frames after its first:
+        seq = int(sys.argv[5]) if mode == "replyframes" else 0  # rank 1's reply to a call, or none
+        msg = [codec.encode([session, 1, seq, 0, None])[0] if seq else b"\x91\x00", *[b""] * size]
     elif mode == "joinmaps":  # small joins that decode into many dicts: `size` empty maps
         msg = codec.encode(["join", f"maps{i:06d}", {"host": "evil", "pad": [{}] * size}])
     try:
@@ -444,6 +447,48 @@ def test_a_reply_over_the_largest_reply_is_not_kept_while_its_call_waits(monkeyp
             assert "(on rank 1)" in str(info.value)
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
         assert proc.wait(30) == 0
+
+
+def test_a_message_of_many_frames_is_let_go_frame_by_frame():
+    """ZeroMQ bounds a frame's size, not a message's frames: a forged reply of rank
+    1 to the call in flight, then a message that is no reply, each of 300 000 empty
+    frames after its first (2 bytes a frame on the wire). The reader keeps
+    MAX_FRAMES of them at most and lets the rest go, a pass at a time: the call
+    fails at once naming the limit, the other is dropped (``too-many-frames``), no
+    frame of theirs is read as a message of its own, and the cluster serves on.
+    Before, each frame became a Python object (hundreds of bytes each) held in
+    one list, and the reply's were kept until its call read them. Sabotage: no
+    ``MAX_FRAMES`` test in ``_rest_of`` -> the call's error names no frames, and
+    the peak growth is over GROWTH_LIMIT."""
+    port = free_port_pair()
+    proc = follower(port, "--node-rank", "1")
+    try:
+        with executor(port, liveness_s=2.0) as ex:
+            assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
+            before = dict(ex._leader.dropped_by)
+            slow = ex.collective_rpc("sleep", args=(5.0,), non_block=True)
+            rss = PeakRss()
+            session = ex._leader.path.session
+            sender = flood(port, "replyframes", 1, 300_000, str(slow.seq), session=session)
+            with pytest.raises(zbus.RemoteError, match=f"over {datapath.MAX_FRAMES} frames"):
+                slow.result(30)
+            assert sender.wait(60) == 0
+            sender = flood(port, "frames", 1, 300_000, "0", session=session)
+            assert sender.wait(60) == 0
+            wait_until(lambda: ex._leader.dropped_by.get("too-many-frames", 0) == 1, 30,
+                       "the message of too many frames dropped")
+            growth = rss.stop()
+            time.sleep(2.5)  # a liveness period
+            ex.check_health()
+            assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
+            after = dict(ex._leader.dropped_by)
+            assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {
+                "too-many-frames": 1}
+            print(f"peak RSS growth {growth / MiB:.1f} MiB")
+            assert growth < GROWTH_LIMIT
+        assert proc.wait(30) == 0
+    finally:
+        end_process(proc)
 
 
 def test_big_join_requests_are_dropped_while_the_cluster_forms():

@@ -54,6 +54,12 @@ MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more ar
 # a worker queues 64 more replies on its own side first. 16 keeps small messages near
 # ZeroMQ's full rate (measured on loopback: 375,000/s per connection; 1: 85,000/s).
 PULL_RCVHWM = 16
+# Frames a message on the PULL socket may have: a reply's header and one frame for
+# each tensor, array or buffer of 16 KiB or more. ZeroMQ bounds each frame's size,
+# not their number: a peer's one message of millions of empty frames (2 bytes each on
+# the wire) made a Python object of each, the reader holding the socket till the end.
+# The frames past this are read and let go, the pass's time bounding each turn.
+MAX_FRAMES = 1 << 16
 TELL_RETRY_S = 0.01  # how often tell_nodes tries again the nodes that had no room
 MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
 RESEND_BYTES = 512 * 2**20  # copies of the calls a node may lack; past this the oldest go
@@ -245,13 +251,18 @@ class RemoteReceiver:
 
 _recv = zmq.backend.Socket.recv  # (compiled, unlike zmq.Socket.recv: no Python step inside)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (ints: an enum's ``&`` is a Python function)
+_RCVMORE, _NOBLOCK = int(zmq.RCVMORE), int(zmq.NOBLOCK)
 
 
-def _rest_of(sock: zmq.Socket, frames: list) -> None:
-    """Take the rest of a message whose first frames are ``frames``: ZeroMQ holds a
-    message whole before any of it can be taken, so this never waits."""
+def _rest_of(sock: zmq.Socket, frames: list) -> bool:
+    """Take the rest of a message whose first frames are ``frames``, up to
+    MAX_FRAMES: whether that is all of it (False: the rest is left on the socket).
+    ZeroMQ holds a message whole before any of it can be taken: this never waits."""
     while frames[-1].more:
-        frames.append(_recv(sock, zmq.NOBLOCK, False))
+        if len(frames) >= MAX_FRAMES:
+            return False
+        frames.append(_recv(sock, _NOBLOCK, False))
+    return True
 
 
 class SentCalls:
@@ -356,6 +367,7 @@ class DataPath:
         self._control_in = self._control_out = 0
         self._msg_bytes = 0  # what the message _checked_message returned last holds, if no reply
         self._pull_closed = False
+        self._rest_left = False  # the socket holds the rest of a message of too many frames
         self._last_drop_log, self._drops_logged = 0.0, 0
         self._on_control: Callable[[list], None] = self._no_control
         self._probing_rank: Callable[[str], int | None] = lambda _node_id: None
@@ -530,10 +542,25 @@ class DataPath:
             return
         end = time.monotonic() + READ_PASS_S
         for _ in range(256):
+            if self._rest_left and not self._let_rest_go(end):
+                return
             if not self._read_one() or time.monotonic() > end:
                 break
             if not self.pull.getsockopt(_EVENTS) & _POLLIN:  # (no exception to build when empty)
                 break
+
+    def _let_rest_go(self, end: float) -> bool:
+        """Read and let go the frames left of a message of too many, until ``end``:
+        whether they are all gone. (The socket says whether it is in a message: a
+        Ctrl-C that took a frame's return leaves no doubt here.)"""
+        while self.pull.getsockopt(_RCVMORE):
+            if time.monotonic() > end:
+                return False
+            for _ in range(4096):
+                if not _recv(self.pull, _NOBLOCK, False).more:
+                    break
+        self._rest_left = False
+        return True
 
     def _read_one(self) -> bool:
         """Take the next message off the PULL socket and file it; False if none is
@@ -546,12 +573,12 @@ class DataPath:
             return False
         filed = [False]
         try:
-            _rest_of(self.pull, frames)
+            self._rest_left = not _rest_of(self.pull, frames)
             self._file(frames, filed)
         except BaseException as e:
             if isinstance(e, Exception) or filed[0]:
                 raise
-            _rest_of(self.pull, frames)
+            self._rest_left = not _rest_of(self.pull, frames)
             self._file(frames, filed)
             raise
         return True
@@ -639,7 +666,14 @@ class DataPath:
                 return None
             head = None if tagged is None else tagged[1]
             size = sum(f.nbytes for f in frames)
-            if head is not None and size <= self.max_reply:  # a reply: checked, filed, decoded by its taker
+            if self._rest_left:  # (its frames past MAX_FRAMES are let go)
+                if head is None:
+                    self.drop(f"a message of over {MAX_FRAMES} frames", "too-many-frames")
+                    return None
+                msg = [head[0], head[1], protocol.RAISED, codec.ExceptionInfo(
+                    "zbus.errors.CodecError", f"cannot decode the reply: it has over {MAX_FRAMES} frames "
+                    "(a frame for each tensor, array or buffer of 16 KiB or more)")]
+            elif head is not None and size <= self.max_reply:  # a reply: checked, filed, decoded by its taker
                 msg = [*head, Undecoded(frames)]
             elif head is not None:  # (its frames, each within the limit, are not kept)
                 msg = [head[0], head[1], protocol.RAISED, _too_big(size, self.max_reply)]
@@ -728,7 +762,8 @@ class DataPath:
         ``bad-status``, ``not-owner`` (a key speaking for another node),
         ``handler`` / ``io-loop`` (a message that broke its handler),
         ``backlog`` (too many control messages waiting), ``gap-too-soon`` (a node's
-        ask for lost calls within ``GAP_EVERY_S`` of its last)."""
+        ask for lost calls within ``GAP_EVERY_S`` of its last), ``too-many-frames``
+        (a message of more than ``MAX_FRAMES`` that is no reply)."""
         return self.metrics.drops()
 
     def close(self, linger_s: float) -> None:
