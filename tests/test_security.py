@@ -1382,6 +1382,37 @@ class PosingLeader:
         end_process(self.proc)
 
 
+def test_a_follower_that_cannot_decode_its_welcome_refuses_at_once_saying_why():
+    """The leader welcomes a follower with worker arguments of a type the node does
+    not have (a registered dataclass of the driver's: the agent imports no user
+    module): the follower tells the leader it refuses, naming why, and exits 1 at
+    once. Before, it dropped the welcome as a malformed message and joined again
+    every 2 s, the leader welcoming it each time, until the driver's join timeout
+    ("missing node ranks") and its own ("no leader answered", though one had).
+    Sabotage: ``raising=False`` for the node's own topic in ``NodeAgent._recv``
+    -> only joins, no refusal."""
+    leading = PosingLeader()
+    try:
+        leading.join()
+        unknown = msgpack.ExtType(codec._DATACLASS, msgpack.packb(["driver.only.Settings", {"n": 1}]))
+        welcome = good_welcome(nproc_per_node=1, master_addr="127.0.0.1", env={},
+                               reply_address=leading.reply_address,
+                               spec={"worker": "workers:EchoWorker", "kwargs": {"settings": unknown}})
+        leading.xpub.send_multipart([leading.topic, msgpack.packb(["welcome", welcome])])
+        said = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (said and said[-1][0] == "refused"):
+            msg = leading.receive(500)
+            if msg is not None:
+                said.append(msg)
+        assert said and said[-1][:2] == ["refused", leading.node_id], said
+        assert "cannot decode the leader's welcome" in said[-1][2] and "driver.only.Settings" in said[-1][2]
+        assert leading.proc.wait(30) == 1
+        assert "cannot decode the leader's welcome" in leading.proc.stderr.read()
+    finally:
+        leading.close()
+
+
 def test_a_serving_follower_ignores_messages_of_the_wrong_shape():
     """A leader (or one posing as it, without keys) welcomes a follower, then sends
     a call with nothing in it and control messages that are no list (an array's

@@ -310,7 +310,12 @@ class NodeAgent:
                 next_try, tries = time.monotonic() + 2.0, tries + 1
             if not self.sub.poll(200, zmq.POLLIN):
                 continue
-            topic, msg = self._recv()
+            try:
+                topic, msg = self._recv()
+            except CodecError as e:  # on this node's own topic: a welcome whose arguments it cannot build
+                why = f"cannot decode the leader's welcome: {e}"
+                self._tell_leader(why[:500])  # (start-up fails at once, naming this node)
+                raise ZbusError(why) from None
             if topic == node_topic(self.node_id) and type(msg) is list and len(msg) == 2:
                 if msg[0] == "welcome" and type(msg[1]) is dict:
                     return msg[1]
@@ -736,20 +741,24 @@ class NodeAgent:
 
     def _recv(self) -> tuple[bytes, Any]:
         """A message while joining: decoded in full on this node's own topic alone
-        (the welcome holds the worker's arguments: tensors or registered types, say);
-        a heartbeat, whoever sent it, as plain data."""
+        (the welcome holds the worker's arguments: tensors or registered types, say),
+        CodecError if it cannot be; a heartbeat, whoever sent it, as plain data."""
         frames = self.sub.recv_multipart(copy=False)
         topic = frames[0].bytes
-        return topic, self._decode([f.buffer for f in frames[1:]], plain=topic != node_topic(self.node_id))
+        own = topic == node_topic(self.node_id)
+        return topic, self._decode([f.buffer for f in frames[1:]], plain=not own, raising=own)
 
-    def _decode(self, frames: list, plain: bool = True) -> list | None:
+    def _decode(self, frames: list, plain: bool = True, raising: bool = False) -> list | None:
         """A control message (a list of plain items), or None. The leader sends no
         arrays or tensors here, and one would fail the comparisons that read the
         message (their ``==`` has no truth value); decoded ``plain``, nothing is
-        loaded or built for one (the welcome alone may hold them)."""
+        loaded or built for one (the welcome alone may hold them). ``raising``:
+        CodecError for one that cannot be decoded."""
         try:
             msg = codec.decode(frames, plain=plain)
         except CodecError as e:
+            if raising:
+                raise
             log.warning("dropped a malformed control message: %s", e)
             return None
         if type(msg) is not list or not all(type(x) in _PLAIN for x in msg):
