@@ -367,7 +367,7 @@ def test_calls_lost_in_a_reset_connection_are_sent_again(cluster, case):
     fails: no copy dropped, and mostly before that the executor's protocol error
     (a reply overtaken by a later one, after the 3 s grace)."""
     scenario, match = RESETS[case]
-    start_followers(cluster)
+    followers = start_followers(cluster)
     proc = driver(cluster, scenario)
     assert read_json(proc)["ready"]
     leader_ip, node2 = cluster.nodes[0].address, cluster.nodes[2]
@@ -386,6 +386,7 @@ def test_calls_lost_in_a_reset_connection_are_sent_again(cluster, case):
     assert r["longest"] < LIVENESS, r
     assert killed >= (5 if match else 20), killed  # the agent's 2 and its 2 workers' connections
     assert r["replies_again"] > 0 if case == "replies" else r["calls_again"] > 0, r  # resets met calls
+    assert wait_exit([proc, *followers], 30) == [0, 0, 0]  # a clean end, its bye heard after the resets
 
 
 def test_compose_commands_run_the_demo_across_three_nodes(cluster):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -299,6 +300,12 @@ CRAFTED = {
 }
 
 
+def members_of(ex: zbus.Executor) -> dict:
+    """The leader's members as they are now (copies: a member's record is changed
+    in place), less when each was last heard."""
+    return {r: dataclasses.replace(n, last_seen=0.0) for r, n in ex._leader.nodes.items()}
+
+
 def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
     """Hostile input in batches, one kind each, on the leader's PULL port: every
     message is accounted for, exactly, under its reason (``Leader.dropped_by``),
@@ -314,10 +321,10 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
     ``if index in self.used`` check in ``_Decoder.frame`` (zbus/codec.py) → fails
     (one "unknown-kind" where "undecodable" was due; the 64 references to 1 MiB
     still hit the byte budget); set ``MAX_DEPTH = 10**6`` → fails (both nested
-    messages "unknown-kind"); drop the "ndarray without data" check in
-    ``_Decoder._ndarray`` → fails (a 40-byte message makes the leader allocate
-    128 MiB, then it is dispatched). With the codec checks in place each of these
-    fails earlier, at ``codec.decode``. Count no drop for a CodecError in
+    messages "unknown-kind"). (The tensors' and arrays' checks are the replies':
+    a message that is no reply is decoded as plain data, which refuses both; see
+    ``test_a_malformed_error_reply_fails_its_call_not_the_executor``.) With the
+    codec checks in place each of these fails earlier, at ``codec.decode``. Count no drop for a CodecError in
     ``DataPath._checked_message`` → fails on the first batch (the old
     ``dropped >= 5000`` passed on the flood alone)."""
     for why, messages in CRAFTED.values():
@@ -331,7 +338,7 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
         with zbus.Executor(workers.EchoWorker, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
                            master_port=port, join_timeout=60) as ex:
             assert ex.collective_rpc("rank_value", args=(1,), timeout=30) == [10, 11]
-            members = dict(ex._leader.nodes)
+            members = members_of(ex)
             push = ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.connect(f"tcp://127.0.0.1:{port + 1}")
@@ -410,7 +417,7 @@ def test_hostile_input_is_dropped_counted_and_the_cluster_keeps_serving():
                     conn.sendall(noise.randbytes(4096))
             assert ex.collective_rpc("rank_value", args=(2,), timeout=30) == [20, 21]
             ex.check_health()
-            assert ex._leader.nodes == members
+            assert members_of(ex) == members
             noise_drops = {k: n - total.get(k, 0) for k, n in ex._leader.dropped_by.items()
                            if n != total.get(k, 0)}
             print(f"raw bytes: {noise_drops} dropped")
@@ -1232,18 +1239,26 @@ def test_a_keyed_link_carries_large_frames_in_parts_and_the_workers_get_them_who
     the leader cuts large frames, and the node's agent writes the parts back to
     back into its ring. Sabotage: ``from_parts`` joining the parts in another
     order, or dropping one -> the remote worker's checksum differs (or the call
-    fails); ``wire`` not cutting -> the parts check fails."""
+    fails); ``wire`` not cutting, or the send not using it -> the parts check
+    fails (it counts the frames of the calls the leader sends)."""
     import zlib
 
     with keyed_cluster(monkeypatch) as (ex, _):
-        bcast = ex._leader.bcast
+        bcast, sent = ex._leader.bcast, []
+        wire = bcast.wire
+
+        def counted(topic, frames):
+            out = wire(topic, frames)
+            sent.append((len(frames), len(out)))
+            return out
+
+        monkeypatch.setattr(bcast, "wire", counted)
         for size in (protocol.PART_BYTES, 3 * protocol.PART_BYTES + 12345):
             payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
-            frames = [protocol.call_envelope(1, "crc", -1, 2), *codec.encode(((7, payload), {}))]
-            wire = bcast.wire(b"R", frames)
-            assert (len(wire) > len(frames) + 1) == (size > protocol.PART_BYTES)
+            sent.clear()
             got = ex.collective_rpc("crc", args=(7, payload), timeout=30)
             assert got == [(7, zlib.crc32(payload))] * 2
+            assert sent and all((out > n + 1) == (size > protocol.PART_BYTES) for n, out in sent), sent
 
 
 def test_part_counts_that_do_not_fit_their_parts_are_refused():
@@ -1305,6 +1320,14 @@ def test_a_malformed_error_reply_fails_its_call_not_the_executor():
             error = third.exception(timeout=30)
             assert isinstance(error, zbus.ZbusError) and "Tensor of shape" in str(error), repr(error)[:200]
             assert len(str(error)) < 1000
+            # a value declaring an array of 128 MiB that it does not carry: refused as
+            # its caller decodes it, nothing allocated. Sabotage: no "ndarray without
+            # data" check in ``_Decoder._ndarray`` -> the call's value is the array.
+            fourth = ex.collective_rpc("later", args=("w", 1.0), non_block=True)
+            dataless = msgpack.ExtType(codec._NDARRAY, msgpack.packb(["|u1", [2**27], None]))
+            push.send_multipart([msgpack.packb([session, 1, fourth.seq, protocol.OK, dataless])])
+            error = fourth.exception(timeout=30)
+            assert isinstance(error, zbus.ZbusError) and "ndarray without data" in str(error), repr(error)
             ex.check_health()
             assert ex.collective_rpc("rank_value", args=(3,), timeout=30) == [30, 31]
             push.close()
