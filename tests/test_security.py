@@ -977,6 +977,26 @@ def keyed_cluster(monkeypatch, **kwargs):
         end_process(proc)
 
 
+def test_a_keyed_leaders_env_sets_nothing_a_follower_allows_for_itself(monkeypatch):
+    """A keyed driver passes ``env=`` naming a follower's own settings (the vLLM
+    allow-list its workers check the leader's configuration against, its worker
+    allow-list): the follower's worker gets neither, the leader's own local
+    worker both. Before, a keyed leader's variables all passed: one
+    ``ZBUS_VLLM_ALLOW=trust_remote_code`` undid what the follower's operator
+    allowed, past the check ``update_environment_variables`` is refused for.
+    Sabotage: no ``NODE_OWN_ENV`` in ``NodeAgent._worker_env`` -> the follower's
+    worker has them."""
+    names = ["ZBUS_VLLM_ALLOW", "ZBUS_ALLOW_WORKERS", "OMP_NUM_THREADS"]
+    monkeypatch.delenv("ZBUS_VLLM_ALLOW", raising=False)
+    set_by_leader = {"ZBUS_VLLM_ALLOW": "trust_remote_code", "ZBUS_ALLOW_WORKERS": "evil",
+                     "OMP_NUM_THREADS": "1"}
+    with keyed_cluster(monkeypatch, env=set_by_leader) as (ex, _):
+        leaders, followers = ex.collective_rpc("env_of", args=(names,), timeout=30)
+    assert leaders == set_by_leader
+    assert followers["ZBUS_VLLM_ALLOW"] is None and followers["OMP_NUM_THREADS"] == "1", followers
+    assert followers["ZBUS_ALLOW_WORKERS"] == "workers", followers  # (the follower's own: see follower())
+
+
 def forge(port: int, curve, messages: list) -> None:
     """Send ``messages`` to the leader's PULL port over a connection keyed by ``curve``."""
     from zbus.queues import send_frames

@@ -78,6 +78,12 @@ UNSAFE_ENV_WORDS = ("PLUGIN", "FILE", "PATH", "DIR", "HOME", "ROOT", "LIB", "CON
                     "INJECT")
 
 
+# env= from any leader, keys or not, never sets what this node allows or its keys:
+# those are its operator's (a keyed leader's configuration is checked against them).
+NODE_OWN_ENV = ("ZBUS_VLLM_ALLOW", "ZBUS_ALLOW_WORKERS", "ZBUS_ALLOW_IMPORT_CALLS", "ZBUS_INSECURE",
+                "ZBUS_SECRET", "ZBUS_SECRET_FILE", "ZBUS_CURVE_DIR")
+
+
 def safe_env_name(name: str) -> bool:
     """Whether an unauthenticated leader may set ``name`` in this node's workers."""
     if name in SAFE_ENV_NAMES:
@@ -388,15 +394,18 @@ class NodeAgent:
             raise ZbusError(reason)
 
     def _worker_env(self, env: dict) -> dict:
-        """The driver's env for this node's workers; from an unauthenticated leader
+        """The driver's env for this node's workers, without what this node's
+        operator sets (``NODE_OWN_ENV``); from an unauthenticated leader also
         without the variables that change what a process loads or runs."""
         env = {str(k): str(v) for k, v in env.items()}
-        if self.curve is None:
-            risky = [k for k in env if not safe_env_name(k)]
-            for k in risky:
-                del env[k]
-            if risky:
-                log.warning("ignored %s from an unauthenticated leader", ", ".join(sorted(risky)))
+        own = [k for k in env if k in NODE_OWN_ENV]
+        risky = [k for k in env if k not in own and self.curve is None and not safe_env_name(k)]
+        for k in own + risky:
+            del env[k]
+        if own:
+            log.warning("ignored %s from the leader: this node's own settings", ", ".join(sorted(own)))
+        if risky:
+            log.warning("ignored %s from an unauthenticated leader", ", ".join(sorted(risky)))
         return with_gloo_ifname(env, self.ifname)
 
     def _serve(self) -> int:
