@@ -2409,11 +2409,11 @@ def test_a_call_forgotten_while_the_completer_reads_it_gives_its_number_to_the_n
             except BaseException as e:  # noqa: BLE001 - the test shows it
                 got["error"] = e
 
-        def cut_short(frames, size, deadline, nodes_got):
+        def cut_short(frames, size, deadline, nodes_got, cancel):
             """The call's wait to send drains the earlier call's replies (as ``on_full``
             does), the completer turns to this call, and the send ends undelivered."""
             if later:  # the next call: sent
-                return publish(frames, size, deadline, nodes_got)
+                return publish(frames, size, deadline, nodes_got, cancel)
             wait_until(lambda: all(ex._receivers[r].poll(first.seq) for r in (0, 1)), 10, "replies in")
             ex._drain_ready()
             assert first._call not in ex._pending and not first.done()  # answered, its future not yet done

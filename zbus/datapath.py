@@ -55,10 +55,11 @@ MAX_CONTROL_BACKLOG = 4096  # control messages read but not yet handled; more ar
 # ZeroMQ's full rate (measured on loopback: 375,000/s per connection; 1: 85,000/s).
 PULL_RCVHWM = 16
 # Frames a message on the PULL socket may have: a reply's header and one frame for
-# each tensor, array or buffer of 16 KiB or more. ZeroMQ bounds each frame's size,
-# not their number: a peer's one message of millions of empty frames (2 bytes each on
-# the wire) made a Python object of each, the reader holding the socket till the end.
-# The frames past this are read and let go, the pass's time bounding each turn.
+# each tensor or array, and each bytes of 16 KiB or more (a local rank's reply may
+# have the codec's 2**20). ZeroMQ bounds each frame's size, not their number: a
+# peer's one message of millions of empty frames (2 bytes each on the wire) made a
+# Python object of each, the reader holding the socket till the end. The frames
+# past this are read and let go, the pass's time bounding each turn.
 MAX_FRAMES = 1 << 16
 TELL_RETRY_S = 0.01  # how often tell_nodes tries again the nodes that had no room
 MAX_CONTROL_BYTES = 64 * 2**20  # and the bytes they hold (MAX_CONTROL_MESSAGE); more are dropped
@@ -568,7 +569,7 @@ class DataPath:
         or SystemExit (a signal's handler, in a caller's thread) lets it be taken
         whole and filed first (where it was not yet), then goes on."""
         try:
-            frames = [_recv(self.pull, zmq.NOBLOCK, False)]
+            frames = [_recv(self.pull, _NOBLOCK, False)]
         except zmq.Again:
             return False
         filed = [False]
@@ -672,7 +673,7 @@ class DataPath:
                     return None
                 msg = [head[0], head[1], protocol.RAISED, codec.ExceptionInfo(
                     "zbus.errors.CodecError", f"cannot decode the reply: it has over {MAX_FRAMES} frames "
-                    "(a frame for each tensor, array or buffer of 16 KiB or more)")]
+                    "(one for each tensor or array, and each bytes of 16 KiB or more)")]
             elif head is not None and size <= self.max_reply:  # a reply: checked, filed, decoded by its taker
                 msg = [*head, Undecoded(frames)]
             elif head is not None:  # (its frames, each within the limit, are not kept)

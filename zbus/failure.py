@@ -47,8 +47,10 @@ class Failure:
             log.error("executor failed: %s", error)
         finally:  # (a Ctrl-C as it logs, say: the failure still takes its whole path)
             if mine:
-                self.cancel.set()
-                _run(callbacks, error)
+                try:
+                    self.cancel.set()
+                finally:
+                    _run(callbacks, error)
         return True
 
     def on_failure(self, callback: Callback) -> None:
