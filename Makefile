@@ -7,9 +7,10 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# torch is pinned to the CPU build the project is tested with; it is installed
-# first so nothing later resolves a (much larger) CUDA build.
-TORCH := torch==2.13.0
+# torch is pinned to the CPU build the project is tested with (its +cpu label: no
+# CUDA build, which PyPI serves under the bare version, can match it); it is
+# installed first so nothing later resolves a (much larger) CUDA build.
+TORCH := torch==2.13.0+cpu
 # Machines of this project keep the CPU wheel of that torch in /opt/wheels; elsewhere
 # PyTorch's CPU index has it (as 2.13.0+cpu, which vLLM's CPU build asks for).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu)
