@@ -1252,16 +1252,21 @@ def test_a_ctrl_c_in_the_leaders_close_still_frees_its_ports():
             ex.shutdown()
         ex.shutdown()  # returns at once
         assert proc.wait(30) == 0  # it heard the bye (a leader lost: exit 1, after 5 s)
-        assert not [t for t in threading.enumerate() if t.name == "zbus-leader-io"]
-        for p in (port, port + 1):
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past TIME_WAIT, not a listener)
-                s.bind(("127.0.0.1", p))
-                s.listen()
+        assert_leader_gone(port, port + 1)
     finally:
         if ex is not None:
             ex.shutdown()
         end_process(proc)
+
+
+def assert_leader_gone(*ports: int) -> None:
+    """No leader's I/O thread runs, and each of ``ports`` is free to listen on."""
+    assert not [t for t in threading.enumerate() if t.name == "zbus-leader-io"]
+    for p in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past TIME_WAIT, not a listener)
+            s.bind(("127.0.0.1", p))
+            s.listen()
 
 
 def test_a_ctrl_c_in_the_metrics_servers_shutdown_still_frees_the_leaders_ports():
@@ -1287,12 +1292,7 @@ def test_a_ctrl_c_in_the_metrics_servers_shutdown_still_frees_the_leaders_ports(
         with pytest.raises(KeyboardInterrupt):
             ex.shutdown()
         assert proc.wait(30) == 0
-        assert not [t for t in threading.enumerate() if t.name == "zbus-leader-io"]
-        for p in (port, port + 1, metrics):
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", p))
-                s.listen()
+        assert_leader_gone(port, port + 1, metrics)
     finally:
         if ex is not None:
             ex.shutdown()
@@ -2265,8 +2265,21 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
     node 1's worker, whose STOP did not come either: the bye ends the ring it reads
     (until 2026-12-07 it waited out its grace too, and was sent SIGTERM; sabotage:
     no ``ring.end()`` on ``bye`` in ``NodeAgent._ends`` -> node 1 says so)."""
-    # liveness 10 s: the leader does not lose node 2 (and say "failed", which
-    # reaches node 1 on its own topic) while the shutdown waits on it
+    with node_2_stalled() as (ex, procs):
+        ex.shutdown()
+        assert ex.failure.error is None  # a clean stop: "bye", not "failed"
+        assert [p.returncode for p in ex._workers.procs] == [0]
+        assert procs[0].wait(8) == 0
+        said = procs[0].stderr.read()
+        assert "asked to stop: SIGTERM" not in said, said
+
+
+@contextlib.contextmanager
+def node_2_stalled():
+    """``leader_and_two_followers`` with node 2's agent stopped (SIGSTOP) and its
+    queue full: (executor, the follower processes). Liveness 10 s: the leader does
+    not lose node 2 (and say "failed", which reaches node 1 on its own topic)
+    while a shutdown waits on it."""
     with leader_and_two_followers(liveness_s=10.0) as (ex, procs, node2):
         lead = ex._leader
         topic = node_topic(lead.nodes[2].node_id)
@@ -2276,12 +2289,7 @@ def test_a_stalled_node_keeps_no_other_node_from_hearing_the_leaders_bye():
             while filled < 2000 and lead.path.send_control(topic, ["filler", bytes(2**18)], wait=False):
                 filled += 1
             assert filled < 2000, "node 2's queue never filled"
-            ex.shutdown()
-            assert ex.failure.error is None  # a clean stop: "bye", not "failed"
-            assert [p.returncode for p in ex._workers.procs] == [0]
-            assert procs[0].wait(8) == 0
-            said = procs[0].stderr.read()
-            assert "asked to stop: SIGTERM" not in said, said
+            yield ex, procs
         finally:
             node2[0].resume()
 
@@ -2293,34 +2301,24 @@ def test_a_shutdown_that_cancels_a_caller_blocked_on_a_stalled_node_still_stops_
     executor's cancel event, which the shutdown had just set: nothing was sent, and
     the worker waited out its 5 s grace to end by SIGTERM (143). Sabotage:
     ``self.failure.cancel`` again for the STOP in ``MultiprocExecutor._publish_stop``."""
-    with leader_and_two_followers(liveness_s=10.0) as (ex, procs, node2):
-        lead = ex._leader
-        topic = node_topic(lead.nodes[2].node_id)
-        node2[0].suspend()
-        try:
-            filled = 0
-            while filled < 2000 and lead.path.send_control(topic, ["filler", bytes(2**18)], wait=False):
-                filled += 1
-            assert filled < 2000, "node 2's queue never filled"
-            got = []
+    with node_2_stalled() as (ex, _):
+        got = []
 
-            def call() -> None:
-                try:
-                    ex.collective_rpc("echo", args=(1,))
-                except Exception as e:  # noqa: BLE001 - the test reads it
-                    got.append(e)
+        def call() -> None:
+            try:
+                ex.collective_rpc("echo", args=(1,))
+            except Exception as e:  # noqa: BLE001 - the test reads it
+                got.append(e)
 
-            caller = threading.Thread(target=call)
-            caller.start()
-            wait_until(lambda: ex._send_lock._owner == caller.ident, 10, "the caller sending")
-            time.sleep(0.3)  # (its send waiting on node 2)
-            assert caller.is_alive() and not got
-            ex.shutdown()
-            caller.join(10)
-            assert [type(e) for e in got] == [zbus.ZbusError], got
-            assert [p.returncode for p in ex._workers.procs] == [0]  # (not SIGTERM at its grace's end)
-        finally:
-            node2[0].resume()
+        caller = threading.Thread(target=call)
+        caller.start()
+        wait_until(lambda: ex._send_lock._owner == caller.ident, 10, "the caller sending")
+        time.sleep(0.3)  # (its send waiting on node 2)
+        assert caller.is_alive() and not got
+        ex.shutdown()
+        caller.join(10)
+        assert [type(e) for e in got] == [zbus.ZbusError], got
+        assert [p.returncode for p in ex._workers.procs] == [0]  # (not SIGTERM at its grace's end)
 
 
 def test_the_nodes_of_a_leader_before_at_the_same_address_keep_no_node_alive_and_fail_nothing():
