@@ -342,3 +342,14 @@ def test_a_bench_killed_leaves_no_reader_or_subscriber_waiting():
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def test_the_curve_bench_picks_port_pairs_that_do_not_overlap():
+    """Each pair is free when picked, and the next pick may be its neighbour: the
+    curve scenario's second leader then found its first port taken by the first
+    leader's second ("Address already in use", a CI run). Sabotage: keep every
+    pick in ``bench.disjoint_port_pairs``."""
+    from zbus.bench import disjoint_port_pairs
+
+    picks = iter([40000, 40001, 39999, 40000, 40002])
+    assert disjoint_port_pairs(2, lambda: next(picks)) == [40000, 40002]
