@@ -1113,29 +1113,31 @@ def test_a_ctrl_c_as_the_nodes_copy_of_a_call_is_recorded_gives_no_rank_another_
         end_process(proc)
 
 
-@pytest.mark.parametrize("when", ["filing", "between-frames"])
+@pytest.mark.parametrize("when", ["filing", "between-frames", "as-taken"])
 def test_a_ctrl_c_as_a_remote_reply_is_read_off_the_socket_loses_no_reply(when, monkeypatch):
     """A Ctrl-C (KeyboardInterrupt) lands in the caller's thread once a remote
-    rank's reply was taken off the leader's socket: as it is filed, or between its
-    frames. The call is cut short, and the executor serves on, the next call
-    answered right. Before, the reply was in no other place: lost, so the next
-    call waited for it, then failed the executor with a protocol error (or, with
+    rank's reply was taken off the leader's socket: as it is filed, between its
+    frames (the Python reader's), or as the compiled reader returns it (where a
+    signal's handler runs). The call is cut short, and the executor serves on, the
+    next call answered right. Before, the reply was in no other place: lost, so the
+    next call waited for it, then failed the executor with a protocol error (or, with
     its frames cut apart, read the rest as a message of its own). Sabotage: re-raise
-    at once in ``DataPath._read_one`` (no second ``_rest_of`` and ``_file``) ->
-    the next call fails."""
+    at once in ``DataPath._read_one_py`` or ``_read_one_core`` (no second
+    ``_rest_of`` or ``_file_taken``) -> the next call fails."""
     from zbus import datapath
 
+    if when == "as-taken" and datapath._core is None:
+        pytest.skip("the compiled core is not built")
     port = free_port_pair()
     proc = follower(port, "--node-rank", "1")
     try:
-        ex = leader(port, nnodes=2, join_timeout=60)
         armed = [True]
 
         def ctrl_c_once() -> None:
             if armed and threading.current_thread() is threading.main_thread():
                 armed.clear()
                 raise KeyboardInterrupt
-        put, rest_of = datapath.RemoteReceiver.put, datapath._rest_of
+        put, rest_of, core = datapath.RemoteReceiver.put, datapath._rest_of, datapath._core
 
         def ctrl_c_then_put(self, reply):
             if reply[0] == 1:
@@ -1146,10 +1148,25 @@ def test_a_ctrl_c_as_a_remote_reply_is_read_off_the_socket_loses_no_reply(when, 
             if frames[-1].more:
                 ctrl_c_once()
             return rest_of(sock, frames)
+
+        class CtrlCAsTaken:
+            wait_message = core.wait_message if core is not None else None
+
+            @staticmethod
+            def take_message(sock, max_parts, user_id, into):
+                took = core.take_message(sock, max_parts, user_id, into)
+                if took and len(into[0][0]) > 1:  # (a reply of rank 1's, with its echo's frame)
+                    ctrl_c_once()
+                return took
+        if when == "between-frames":
+            monkeypatch.setattr(datapath, "_core", None)  # (the Python reader)
+        ex = leader(port, nnodes=2, join_timeout=60)
         if when == "filing":
             monkeypatch.setattr(datapath.RemoteReceiver, "put", ctrl_c_then_put)
-        else:
+        elif when == "between-frames":
             monkeypatch.setattr(datapath, "_rest_of", ctrl_c_between_frames)
+        else:
+            monkeypatch.setattr(datapath, "_core", CtrlCAsTaken)
         try:
             big = b"x" * 100_000  # (echoed in a tuple: in a frame of its own)
             for _ in range(50):  # (until the caller, not the I/O thread, read the reply)

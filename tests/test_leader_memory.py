@@ -17,7 +17,6 @@ import time
 import psutil
 import pytest
 import workers
-import zmq
 from conftest import end_process, wait_until
 from test_cluster import TEST_PATH, follower, free_port_pair
 
@@ -439,7 +438,7 @@ def test_a_reply_over_the_largest_reply_is_not_kept_while_its_call_waits(monkeyp
                                    (b"y" * (600 * 2**10), b"z" * (600 * 2**10))])
             assert len(frames) == 3
             # what the leader files of it, as its reader does: the error, no frame kept
-            filed = ex._leader.path._checked_message([zmq.Frame(f) for f in frames])
+            filed = ex._leader.path._checked_message([memoryview(f) for f in frames], None)
             assert filed[:3] == [1, slow.seq, protocol.RAISED] and type(filed[3]) is codec.ExceptionInfo
             push.send_multipart(frames, copy=True)
             with pytest.raises(zbus.RemoteError, match="ZBUS_MAX_REPLY") as info:

@@ -404,6 +404,8 @@ static size_t (*z_msg_size)(const zmsg_t *);
 static int (*z_msg_more)(const zmsg_t *);
 static int (*z_errno)(void);
 static int (*z_getsockopt)(void *, int, void *, size_t *);
+static const char *(*z_msg_gets)(const zmsg_t *, const char *);
+static int (*z_poll)(void *, int, long);
 static int zmq_bound; /* 1: found (looked for again until then: zmq may be imported later) */
 
 static int find_libzmq(struct dl_phdr_info *info, size_t size, void *found) {
@@ -429,10 +431,24 @@ static int bind_libzmq(void) {
     *(void **)&z_msg_more = dlsym(lib, "zmq_msg_more");
     *(void **)&z_errno = dlsym(lib, "zmq_errno");
     *(void **)&z_getsockopt = dlsym(lib, "zmq_getsockopt");
+    *(void **)&z_msg_gets = dlsym(lib, "zmq_msg_gets");
+    *(void **)&z_poll = dlsym(lib, "zmq_poll");
     if (z_msg_init && z_msg_recv && z_msg_close && z_msg_data && z_msg_size && z_msg_more && z_errno
-        && z_getsockopt)
+        && z_getsockopt && z_msg_gets && z_poll)
         zmq_bound = 1;
     return zmq_bound == 1 ? 1 : -1;
+}
+
+/* zmq_msg_recv without waiting, again where a signal interrupted it: libzmq answers EINTR
+ * when one lands as it processes its commands, even between the parts of a message (the
+ * part is still there: taken by the next try). Bounded: a storm of signals fails it. */
+static int recv_part(zmsg_t *msg, void *sock) {
+    for (int tries = 0; tries < 1000; tries++) {
+        int rc = z_msg_recv(msg, sock, ZMQ_DONTWAIT_FLAG);
+        if (rc >= 0 || z_errno() != EINTR)
+            return rc;
+    }
+    return -1;
 }
 
 PyDoc_STRVAR(relay_ready_doc,
@@ -593,7 +609,7 @@ static PyObject *core_relay_one(PyObject *self, PyObject *const *args, Py_ssize_
     int more = 0, err = 0, range_ok = 0;
     Py_BEGIN_ALLOW_THREADS
     z_msg_init(&parts[0]);
-    if (z_msg_recv(&parts[0], sock, ZMQ_DONTWAIT_FLAG) < 0) {
+    if (recv_part(&parts[0], sock) < 0) {
         err = z_errno();
         z_msg_close(&parts[0]);
     } else {
@@ -601,7 +617,7 @@ static PyObject *core_relay_one(PyObject *self, PyObject *const *args, Py_ssize_
         more = z_msg_more(&parts[0]);
         while (more && n < MAX_PARTS + 1) { /* the parts of a message arrive together */
             z_msg_init(&parts[n]);
-            if (z_msg_recv(&parts[n], sock, ZMQ_DONTWAIT_FLAG) < 0) {
+            if (recv_part(&parts[n], sock) < 0) {
                 err = z_errno();
                 z_msg_close(&parts[n]);
                 break;
@@ -661,7 +677,7 @@ static PyObject *core_relay_one(PyObject *self, PyObject *const *args, Py_ssize_
         while (result != NULL && more) { /* more parts than fit on the stack */
             zmsg_t extra;
             z_msg_init(&extra);
-            if (z_msg_recv(&extra, sock, ZMQ_DONTWAIT_FLAG) < 0) {
+            if (recv_part(&extra, sock) < 0) {
                 errno = z_errno();
                 z_msg_close(&extra);
                 Py_CLEAR(result);
@@ -678,6 +694,203 @@ static PyObject *core_relay_one(PyObject *self, PyObject *const *args, Py_ssize_
     }
     close_parts(parts, n);
     return result;
+}
+
+/* --- The leader's reply reader: one message off its PULL socket, whole, with no Python step ---
+ *
+ * pyzmq runs a pending signal's handler inside its receive, after a frame left ZeroMQ's
+ * queue, and drops the frame when the handler raises (a Ctrl-C lost a reply). Here every
+ * part is taken without the GIL, and the message is put in the caller's list before this
+ * returns: a handler that raises as it returns finds the message already kept. */
+
+typedef struct {
+    PyObject_HEAD
+    zmsg_t msg;
+} PartObject;
+
+static void part_dealloc(PartObject *self) {
+    z_msg_close(&self->msg);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int part_getbuffer(PartObject *self, Py_buffer *view, int flags) {
+    /* (writable, as pyzmq's frames are: the codec lends a tensor a writable buffer in place) */
+    return PyBuffer_FillInfo(view, (PyObject *)self, z_msg_data(&self->msg), (Py_ssize_t)z_msg_size(&self->msg),
+                             0, flags);
+}
+
+static PyBufferProcs part_as_buffer = {(getbufferproc)part_getbuffer, NULL};
+
+static PyTypeObject PartType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "zbus._core.Part",
+    .tp_basicsize = sizeof(PartObject),
+    .tp_dealloc = (destructor)part_dealloc,
+    .tp_as_buffer = &part_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A received ZeroMQ message part, read through its buffer; freed with the last view.",
+};
+
+#define COPY_BELOW 65536 /* a smaller part is copied (pyzmq's threshold, for the same trade) */
+
+/* The part as a writable memoryview: copied into a bytearray if small, else the message moved
+ * into a Part. The message is closed (or moved) either way. */
+static PyObject *view_of_part(zmsg_t *msg) {
+    size_t size = z_msg_size(msg);
+    PyObject *owner;
+    if (size < COPY_BELOW) {
+        owner = PyByteArray_FromStringAndSize(z_msg_data(msg), (Py_ssize_t)size);
+        z_msg_close(msg);
+    } else {
+        owner = (PyObject *)PyObject_New(PartObject, &PartType);
+        if (owner == NULL)
+            z_msg_close(msg);
+        else
+            memcpy(&((PartObject *)owner)->msg, msg, sizeof *msg); /* a move, as zmq_msg_move does */
+    }
+    if (owner == NULL)
+        return NULL;
+    PyObject *view = PyMemoryView_FromObject(owner);
+    Py_DECREF(owner);
+    return view;
+}
+
+PyDoc_STRVAR(take_message_doc,
+             "take_message(socket, max_parts, user_id, into)\n--\n\n"
+             "Take one message off the ZeroMQ socket at address ``socket`` without waiting and\n"
+             "without the GIL, its first ``max_parts`` parts at most (the rest stays on the\n"
+             "socket), and append ``(parts, whole, uid)`` to the list ``into`` before returning:\n"
+             "``parts`` a list of writable memoryviews, ``whole`` whether that is all of it,\n"
+             "``uid`` its first part's User-Id if ``user_id`` (else None). Returns whether\n"
+             "there was one.");
+
+static PyObject *core_take_message(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "take_message(socket, max_parts, user_id, into: list)");
+        return NULL;
+    }
+    void *sock = PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t max_parts = PyLong_AsSsize_t(args[1]);
+    int want_uid = PyObject_IsTrue(args[2]);
+    if (PyErr_Occurred() || want_uid < 0)
+        return NULL;
+    if (max_parts < 1) {
+        PyErr_SetString(PyExc_ValueError, "max_parts must be at least 1");
+        return NULL;
+    }
+    if (bind_libzmq() != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+        return NULL;
+    }
+    zmsg_t stack[MAX_PARTS], *parts = stack;
+    Py_ssize_t n = 0, cap = MAX_PARTS;
+    int more = 1, err = 0, no_memory = 0;
+    const char *uid = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    while (more && n < max_parts) { /* the parts of a message arrive together: none waits */
+        if (n == cap) {
+            Py_ssize_t grown = cap * 2 < max_parts ? cap * 2 : max_parts;
+            zmsg_t *bigger = parts == stack ? malloc(grown * sizeof *parts) : realloc(parts, grown * sizeof *parts);
+            if (bigger == NULL) {
+                no_memory = 1;
+                break;
+            }
+            if (parts == stack)
+                memcpy(bigger, stack, sizeof stack); /* moved, as zmq_msg_move does */
+            parts = bigger, cap = grown;
+        }
+        z_msg_init(&parts[n]);
+        if (recv_part(&parts[n], sock) < 0) {
+            err = z_errno();
+            z_msg_close(&parts[n]);
+            break;
+        }
+        more = z_msg_more(&parts[n++]);
+    }
+    if (n > 0 && want_uid)
+        uid = z_msg_gets(&parts[0], "User-Id");
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL;
+    if (n == 0 && err == EAGAIN) {
+        result = Py_NewRef(Py_False);
+    } else if (n == 0 || err || no_memory) { /* (a message cut short never happens in ZeroMQ) */
+        if (no_memory) {
+            PyErr_NoMemory();
+        } else {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+        }
+    } else {
+        /* (the User-Id's text is the message's: read before the parts are closed) */
+        PyObject *who = uid != NULL ? PyUnicode_DecodeUTF8(uid, (Py_ssize_t)strlen(uid), "surrogateescape")
+                                    : Py_NewRef(Py_None);
+        PyObject *list = who != NULL ? PyList_New(n) : NULL, *entry = NULL;
+        Py_ssize_t k = 0;
+        for (; list != NULL && k < n; k++) {
+            PyObject *view = view_of_part(&parts[k]);
+            if (view == NULL) {
+                Py_CLEAR(list);
+                k++;
+                break;
+            }
+            PyList_SET_ITEM(list, k, view);
+        }
+        for (; k < n; k++) /* (after a failure: those not made into views) */
+            z_msg_close(&parts[k]);
+        n = 0;
+        if (list != NULL)
+            entry = PyTuple_Pack(3, list, more ? Py_False : Py_True, who);
+        if (entry != NULL && PyList_Append(args[3], entry) == 0)
+            result = Py_NewRef(Py_True);
+        Py_XDECREF(entry);
+        Py_XDECREF(list);
+        Py_XDECREF(who);
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        z_msg_close(&parts[k]);
+    if (parts != stack)
+        free(parts);
+    return result;
+}
+
+PyDoc_STRVAR(wait_message_doc,
+             "wait_message(socket, seconds)\n--\n\n"
+             "Wait, without the GIL, until the ZeroMQ socket at address ``socket`` has a message\n"
+             "or ``seconds`` have passed (zmq_poll): whether it has one. A signal's handlers run\n"
+             "as it interrupts the wait (Ctrl-C ends it, raising).");
+
+static PyObject *core_wait_message(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "wait_message(socket, seconds)");
+        return NULL;
+    }
+    struct { void *socket; int fd; short events, revents; } item = {PyLong_AsVoidPtr(args[0]), 0, 1, 0};
+    double seconds = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (bind_libzmq() != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+        return NULL;
+    }
+    double end = now_s() + seconds;
+    for (;;) {
+        double left = end - now_s();
+        long ms = left > 0 ? (long)(left * 1000 + 0.999) : 0;
+        int rc, err;
+        Py_BEGIN_ALLOW_THREADS
+        rc = z_poll(&item, 1, ms);
+        err = rc < 0 ? z_errno() : 0;
+        Py_END_ALLOW_THREADS
+        if (rc >= 0)
+            return PyBool_FromLong(item.revents & 1);
+        if (err != EINTR) {
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        if (PyErr_CheckSignals() < 0)
+            return NULL;
+        if (ms == 0)
+            Py_RETURN_FALSE;
+    }
 }
 
 PyDoc_STRVAR(bell_recv_doc,
@@ -868,6 +1081,8 @@ static PyMethodDef core_methods[] = {
     {"relay_ready", core_relay_ready, METH_NOARGS, relay_ready_doc},
     {"relay_one", (PyCFunction)(void (*)(void))core_relay_one, METH_FASTCALL, relay_one_doc},
     {"wait_readable", (PyCFunction)(void (*)(void))core_wait_readable, METH_FASTCALL, wait_readable_doc},
+    {"take_message", (PyCFunction)(void (*)(void))core_take_message, METH_FASTCALL, take_message_doc},
+    {"wait_message", (PyCFunction)(void (*)(void))core_wait_message, METH_FASTCALL, wait_message_doc},
     {"walk", (PyCFunction)(void (*)(void))core_walk, METH_FASTCALL, walk_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -890,5 +1105,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         return NULL;
     if (pthread_atfork(NULL, NULL, forked_child) != 0)
         return PyErr_NoMemory();
+    if (PyType_Ready(&PartType) < 0)
+        return NULL;
     return PyModule_Create(&core_module);
 }

@@ -33,6 +33,11 @@ from .curve import LeaderCurve
 from .errors import CodecError, RingClosed, brief
 from .metrics import Metrics
 from .queues import Broadcaster, deadline_of, given_again, remaining, send_frames, send_message, sent_now
+from .shm import core
+
+# The compiled reader of the PULL socket (zbus._core.take_message), if the core is built and
+# finds pyzmq's libzmq: it takes a message whole with no Python step between its frames.
+_core = core if core is not None and core.relay_ready() else None
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +373,8 @@ class DataPath:
         self._control_in = self._control_out = 0
         self._msg_bytes = 0  # what the message _checked_message returned last holds, if no reply
         self._pull_closed = False
+        self._pull_handle = pull.underlying  # libzmq's socket, for the compiled reader
+        self._read_one = self._read_one_core if _core is not None else self._read_one_py
         self._rest_left = False  # the socket holds the rest of a message of too many frames
         self._last_drop_log, self._drops_logged = 0.0, 0
         self._on_control: Callable[[list], None] = self._no_control
@@ -526,7 +533,7 @@ class DataPath:
         try:
             if not self._pull_closed:
                 self._read_pull(int(timeout * 1000))
-        except zmq.ZMQError:
+        except (zmq.ZMQError, OSError):
             pass  # the socket is closing: the receivers are aborted with it
         finally:
             self.pull_lock.release()
@@ -539,15 +546,16 @@ class DataPath:
         filed here; the rest is left to the I/O thread, which handles it with the
         socket released (a handler may wait for the XPUB socket, or run failure
         callbacks)."""
-        if not self.pull.poll(timeout_ms, zmq.POLLIN):
+        if self._pull_closed:
+            return
+        if not (_core.wait_message(self._pull_handle, timeout_ms / 1000) if _core is not None
+                else self.pull.poll(timeout_ms, zmq.POLLIN)):
             return
         end = time.monotonic() + READ_PASS_S
         for _ in range(256):
             if self._rest_left and not self._let_rest_go(end):
                 return
             if not self._read_one() or time.monotonic() > end:
-                break
-            if not self.pull.getsockopt(_EVENTS) & _POLLIN:  # (no exception to build when empty)
                 break
 
     def _let_rest_go(self, end: float) -> bool:
@@ -563,11 +571,37 @@ class DataPath:
         self._rest_left = False
         return True
 
-    def _read_one(self) -> bool:
+    def _read_one_core(self) -> bool:
         """Take the next message off the PULL socket and file it; False if none is
-        there. Once its first frame is taken it is nowhere else: a KeyboardInterrupt
-        or SystemExit (a signal's handler, in a caller's thread) lets it be taken
-        whole and filed first (where it was not yet), then goes on."""
+        there. The compiled core takes it whole and puts it in ``got`` before any
+        Python step runs: a KeyboardInterrupt or SystemExit (a signal's handler, in a
+        caller's thread) lets it be filed first (where it was not yet), then goes on."""
+        got: list = []
+        filed = [False]
+        try:
+            if not _core.take_message(self._pull_handle, MAX_FRAMES, self.curve is not None, got):
+                return False
+            self._file_taken(got[0], filed)
+        except BaseException as e:
+            if isinstance(e, Exception) or filed[0] or not got:
+                raise
+            self._file_taken(got[0], filed)
+            raise
+        return True
+
+    def _file_taken(self, taken: tuple, filed: list) -> None:
+        frames, whole, user_id = taken
+        self._rest_left = not whole
+        self._file(frames, user_id, filed)
+
+    def _read_one_py(self) -> bool:
+        """The twin of :meth:`_read_one_core` in Python. Once its first frame is taken
+        the message is nowhere else: a KeyboardInterrupt or SystemExit lets it be taken
+        whole and filed first, then goes on. (pyzmq runs a signal's handler inside its
+        receive and drops the frame it took if the handler raises: that loss only the
+        compiled reader avoids.)"""
+        if not self.pull.getsockopt(_EVENTS) & _POLLIN:  # (no exception to build when empty)
+            return False
         try:
             frames = [_recv(self.pull, _NOBLOCK, False)]
         except zmq.Again:
@@ -575,19 +609,24 @@ class DataPath:
         filed = [False]
         try:
             self._rest_left = not _rest_of(self.pull, frames)
-            self._file(frames, filed)
+            self._file_frames(frames, filed)
         except BaseException as e:
             if isinstance(e, Exception) or filed[0]:
                 raise
             self._rest_left = not _rest_of(self.pull, frames)
-            self._file(frames, filed)
+            self._file_frames(frames, filed)
             raise
         return True
 
-    def _file(self, raw: list, filed: list) -> None:
-        """Check a message's frames and file what they hold: a reply or heartbeat at
-        once, another control message for the I/O thread; ``filed`` is set once done."""
-        msg = self._checked_message(raw)
+    def _file_frames(self, frames: list, filed: list) -> None:
+        user_id = frames[0].get("User-Id") if self.curve is not None else None
+        self._file([f.buffer for f in frames], user_id, filed)
+
+    def _file(self, frames: list, user_id: str | None, filed: list) -> None:
+        """Check a message's frames (buffers; ``user_id``: the CURVE key that sent it)
+        and file what they hold: a reply or heartbeat at once, another control message
+        for the I/O thread; ``filed`` is set once done."""
+        msg = self._checked_message(frames, user_id)
         if msg is None:
             filed[0] = True
             return
@@ -656,10 +695,9 @@ class DataPath:
             self.cond.notify_all()
         self.calls.has(rank // self.settings.nproc_per_node, msg[1])  # its node had the call
 
-    def _checked_message(self, raw: list) -> Any:
-        """The message of frames ``raw``, checked (None: dropped, and counted)."""
+    def _checked_message(self, frames: list, user_id: str | None) -> Any:
+        """The message of ``frames``, checked (None: dropped, and counted)."""
         try:
-            frames = [f.buffer for f in raw]
             tagged = _reply_head(frames[0])
             if tagged is not None and tagged[0] != self._reply_tag:
                 self.drop("a reply that names another leader's session (of a leader before this one "
@@ -705,7 +743,7 @@ class DataPath:
         if type(msg) is not list or not msg:
             self.drop(f"a message of the wrong shape: {brief(msg)}", "shape")
             return None
-        if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(raw[0].get("User-Id"))):
+        if self.curve is not None and not self._sent_by_owner(msg, self.curve.rank_of(user_id)):
             self.drop(f"a {brief(msg[0])} message for a node rank not of the key that sent it",
                       "not-owner")
             return None
