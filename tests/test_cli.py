@@ -107,12 +107,14 @@ SECRET = "0123456789abcdef" * 2
     (["demo"], {"ZBUS_NPROC_PER_NODE": "0"}, "nproc_per_node (0) must be at least 1"),
     (["demo", "--nnodes", "2", "--master-port", "1"], {"ZBUS_SECRET": SECRET, "ZBUS_CURVE_DIR": "/none"},
      "give a cluster secret or a key folder"),
+    (["demo", "--master-addr", "10.9.9.9"], {}, "with no --nnodes the demo's whole cluster runs here on 127"),
 ], ids=["keygen-not-empty", "status-no-secret-file", "follower-no-keys", "follower-port-setting",
         "status-port-not-a-number", "nnodes", "node-rank", "liveness", "allow-import-calls", "node-rank-0",
         "secret-no-node-rank",
         "node-rank-below-0", "follower-bad-key-file", "follower-short-key", "follower-key-line-cut",
         "follower-key-past-z85", "status-bad-key-file",
-        "status-malformed-host", "demo-nproc", "demo-nproc-0", "demo-secret-and-keys"])
+        "status-malformed-host", "demo-nproc", "demo-nproc-0", "demo-secret-and-keys",
+        "demo-addr-without-nnodes"])
 def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp_path):
     """A key folder or secret file that is not there, a folder keygen would
     overwrite, a port setting out of range or not a number: the command says so in
@@ -135,7 +137,10 @@ def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp
     "is the leader running?" of a key or secret it could not read. Sabotage: no
     ``except ValueError, IndexError`` or no decoding check in ``zbus.curve._load``; only
     ``gaierror`` in ``resolve_ip``; no rank check in ``NodeAgent.__init__``; the
-    keys loaded inside ``_status``'s ``try``."""
+    keys loaded inside ``_status``'s ``try``.
+
+    ``zbus demo --master-addr`` with no ``--nnodes`` was ignored: the demo ran on
+    loopback. Sabotage: no address check in ``zbus.demo.run_demo``."""
     (tmp_path / "x").touch()
     for folder, text in (("bad", "not a key\n"), ("short", 'curve\n    public-key = "abc"\n'),
                          ("cut", "curve\n    public-key\n"),
@@ -150,6 +155,31 @@ def test_a_setting_a_command_cannot_use_is_said_in_one_line(argv, env, says, tmp
     assert "Traceback" not in out.stderr, out.stderr
     if argv[0] == "status":  # (the hint is for a leader it cannot reach, not a key it cannot read)
         assert ("Is the leader running" in out.stderr) == ("host name" in says), out.stderr
+
+
+@pytest.mark.parametrize("taken", ["first", "second"])
+@pytest.mark.timeout(120)
+def test_a_demo_on_a_port_that_is_taken_says_so_in_one_line(taken):
+    """``zbus demo --master-port P`` (a whole cluster here) listens on P and P+1; one
+    of them held by another program: exit 1, one line naming the port. Before, the
+    port asked for was ignored (the demo ran on a free pair), and on a leader of
+    other nodes the taken port was ZeroMQ's traceback (its error no OSError).
+    Sabotage: ``free_port_pair`` whatever was asked in ``run_demo`` -> the demo runs
+    and exits 0; no ``except`` in ``queues.bind`` -> a traceback."""
+    import socket
+
+    from zbus.cluster import free_port_pair
+
+    port = free_port_pair()
+    held = port if taken == "first" else port + 1
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", held))
+        other.listen()
+        out = subprocess.run([sys.executable, "-m", "zbus.cli", "demo", "--master-port", str(port),
+                              "--steps", "1"], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"zbus demo: cannot listen on port {held} of 127.0.0.1: Address already in use" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 def pending_signals(pid: int) -> int:

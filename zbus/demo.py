@@ -142,8 +142,11 @@ def run_demo(nnodes: int | None = None, nproc_per_node: int | None = None, maste
 
             import zmq
 
+            if master_addr not in (None, "127.0.0.1", "localhost"):
+                raise SettingError(f"--master-addr {master_addr}: with no --nnodes the demo's whole cluster "
+                                   "runs here on 127.0.0.1 (give --nnodes to lead followers elsewhere)")
             nnodes, master_addr = 3, "127.0.0.1"
-            master_port = free_port_pair(master_addr)
+            master_port = master_port or free_port_pair(master_addr)  # (the one asked for, if any)
             if zmq.has("curve"):
                 from .curve import keygen
 

@@ -46,16 +46,25 @@ def remaining(deadline: float | None, what: str) -> float | None:
 
 def bind(sock: zmq.Socket, host: str, port: int = 0, port_range: tuple[int, int] | None = None) -> int:
     """Bind ``sock`` on ``host`` (never a wildcard unless asked) and return the
-    port the kernel gave: port 0 or one from ``port_range``. No probe-then-bind."""
+    port the kernel gave: port 0 or one from ``port_range``. No probe-then-bind.
+    A port that cannot be had is a ZbusError naming it (ZeroMQ's own error is no
+    OSError: a driver or the CLI would show a traceback of the socket's internals)."""
     if ":" in host:  # an IPv6 address: ZeroMQ refuses it unless told
         sock.setsockopt(zmq.IPV6, 1)
-    if port:
-        sock.bind(f"tcp://{bracket(host)}:{port}")
-        return port
-    if port_range:
-        return sock.bind_to_random_port(f"tcp://{bracket(host)}", port_range[0], port_range[1] + 1,
-                                        max_tries=4 * (port_range[1] - port_range[0] + 1))
-    sock.bind(f"tcp://{bracket(host)}:*")
+    try:
+        if port:
+            sock.bind(f"tcp://{bracket(host)}:{port}")
+            return port
+        if port_range:
+            return sock.bind_to_random_port(f"tcp://{bracket(host)}", port_range[0], port_range[1] + 1,
+                                            max_tries=4 * (port_range[1] - port_range[0] + 1))
+        sock.bind(f"tcp://{bracket(host)}:*")
+    except (zmq.ZMQError, zmq.ZMQBindError) as e:  # (the second: each port of the range tried)
+        where = f"port {port}" if port else f"a port in {port_range[0]}-{port_range[1]}" if port_range \
+            else "a free port"
+        errno = getattr(e, "errno", zmq.EADDRINUSE)
+        taken = " (another leader, or another program, holds it)" if errno == zmq.EADDRINUSE else ""
+        raise ZbusError(f"cannot listen on {where} of {host}: {zmq.strerror(errno)}{taken}") from e
     return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
 
 
