@@ -663,6 +663,58 @@ def test_zbus_status_says_in_one_line_what_it_cannot_read_and_prints_no_escape()
     assert "\x1b" not in shown.stdout and "Traceback" not in wrong.stderr + old.stderr + shown.stderr
 
 
+@pytest.mark.timeout(60)
+def test_zbus_status_lets_go_of_an_answer_of_too_many_frames_as_it_reads_it():
+    """A peer on the leader's ports answers ``zbus status`` with a good status and
+    500 000 frames of 2 bytes after it (about 2 MiB on the wire): no leader
+    answered, and what the frames held was let go as they were read (0.2 MiB of
+    peak memory). Before, ``recv_multipart`` kept a bytes object for each (ZeroMQ
+    bounds a frame's size, not their number) and the codec a view of each: 177 MiB
+    of peak memory for the one answer, which was taken (the frames no header names
+    are not read). Sabotage: ``sub.recv_multipart()`` in ``query_status`` as
+    before -> the answer is taken."""
+    import tracemalloc
+
+    from zbus.cluster import query_status
+
+    port = free_port_pair()
+    ctx = zmq.Context()
+    xpub, pull = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
+    xpub.sndhwm = 0
+    # (made before the count starts, and sent part by part: this thread's own lists
+    # would count; not b"" nor one byte: CPython makes no new object for those)
+    answer = [b"", *codec.encode(["status", {"world_size": 2, "output_rank": 0}]), *[b"xy"] * 500_000]
+    answered = threading.Event()
+
+    def answer_once() -> None:
+        if pull.poll(10_000):
+            answer[0] = b"S" + codec.decode(pull.recv_multipart())[1].encode()
+            for i in range(len(answer) - 1):
+                xpub.send(answer[i], zmq.SNDMORE)
+            xpub.send(answer[-1])
+            answered.set()
+
+    answering = threading.Thread(target=answer_once, daemon=True)
+    try:
+        xpub.bind(f"tcp://127.0.0.1:{port}")
+        pull.bind(f"tcp://127.0.0.1:{port + 1}")
+        answering.start()
+        tracemalloc.start()
+        try:
+            with pytest.raises(TimeoutError, match="no leader answered"):
+                query_status("127.0.0.1", port, timeout=4)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert answered.is_set()
+        assert peak < 5 * 2**20, f"{peak / 2**20:.1f} MiB"
+    finally:
+        answering.join(15)
+        xpub.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
 def test_a_metrics_port_without_prometheus_client_is_an_import_error_said_in_one_line(monkeypatch):
     """Without ``prometheus-client`` the metrics server is refused with an error
     that is an ImportError (as documented before) and a ZbusError (the CLI says

@@ -48,6 +48,7 @@ TOPIC_RPC, TOPIC_HEARTBEAT = b"R", b"H"
 MAX_REPLY_DEFAULT = 256 * 2**20
 STATUS_TOPIC = b"S"  # + the asker's token: answers to ``zbus status``
 STATUS_MAX = 16 * 2**20  # the largest answer ``zbus status`` reads (4096 nodes take about 1 MiB)
+STATUS_FRAMES = 16  # and its frames at most (an answer is its topic and a frame or two)
 DEFAULT_MASTER_PORT = 29650
 LIVENESS_RANGE_S = (0.5, 600.0)  # a leader's liveness limit, which a welcome tells its nodes
 # A call of COMING_BYTES or more is announced to the nodes first ("coming"): ZeroMQ hands
@@ -286,6 +287,19 @@ def check_exposure(bind_ip: str, keyed: bool, insecure: bool) -> None:
                 "start the allowed worker classes on the followers", bind_ip)
 
 
+def _frames_at_most(sock: zmq.Socket, limit: int, deadline: float) -> list:
+    """The frames of the message waiting on ``sock``, or none if it has more than
+    ``limit``: the rest is read and let go until ``deadline``. ZeroMQ bounds a
+    frame's size, not their number: a peer's message of millions of empty frames (2
+    bytes each on the wire) was a bytes object each here, all kept at once."""
+    frames = [sock.recv()]
+    while sock.getsockopt(zmq.RCVMORE) and time.monotonic() < deadline:
+        frame = sock.recv()
+        if len(frames) <= limit:
+            frames.append(frame)
+    return frames if len(frames) <= limit else []
+
+
 def query_status(master_addr: str, master_port: int, timeout: float = 10.0, curve: Any = None) -> dict:
     """Ask a running leader for its status (``zbus status``): subscribe to an
     answer topic of our own, then ask on the leader's PULL port until it answers;
@@ -308,9 +322,9 @@ def query_status(master_addr: str, master_port: int, timeout: float = 10.0, curv
         while time.monotonic() < deadline:
             send_message(push, ["status", token], 0.5, "status")
             if sub.poll(500, zmq.POLLIN):
-                _, *frames = sub.recv_multipart()
+                frames = _frames_at_most(sub, STATUS_FRAMES, deadline)
                 try:  # (plain: the answer holds no tensor, array or registered type, nor loads one)
-                    msg = codec.decode(frames, STATUS_MAX, plain=True) if frames else None
+                    msg = codec.decode(frames[1:], STATUS_MAX, plain=True) if frames[1:] else None
                 except CodecError:
                     continue
                 if type(msg) is list and len(msg) == 2 and msg[0] == "status" and type(msg[1]) is dict:
