@@ -702,10 +702,11 @@ def test_zbus_status_lets_go_of_an_answer_of_too_many_frames_as_it_reads_it():
         tracemalloc.start()
         try:
             with pytest.raises(TimeoutError, match="no leader answered"):
-                query_status("127.0.0.1", port, timeout=4)
+                query_status("127.0.0.1", port, timeout=6)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
+        answering.join(30)
         assert answered.is_set()
         assert peak < 5 * 2**20, f"{peak / 2**20:.1f} MiB"
     finally:

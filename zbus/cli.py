@@ -164,9 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nproc-per-node", type=_count, default=None,
                       help="workers per node (ZBUS_NPROC_PER_NODE, default 2)")
     demo.add_argument("--master-addr", default=None,
-                      help="this leader's address, which followers dial (ZBUS_MASTER_ADDR)")
+                      help="this leader's address, which followers dial (ZBUS_MASTER_ADDR); with no "
+                      "--nnodes always 127.0.0.1")
     demo.add_argument("--master-port", type=_port, default=None,
-                      help="first of the leader's two ports (ZBUS_MASTER_PORT, default 29650)")
+                      help="first of the leader's two ports (ZBUS_MASTER_PORT, default 29650); with no "
+                      "--nnodes this one, else a free pair")
     demo.add_argument("--steps", type=_count, default=200, help="decode-like steps (default 200)")
     demo.add_argument("--metrics-port", type=_any_port, default=None,
                       help="serve Prometheus metrics on this port (ZBUS_METRICS_PORT; needs "

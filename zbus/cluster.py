@@ -293,11 +293,11 @@ def _frames_at_most(sock: zmq.Socket, limit: int, deadline: float) -> list:
     frame's size, not their number: a peer's message of millions of empty frames (2
     bytes each on the wire) was a bytes object each here, all kept at once."""
     frames = [sock.recv()]
-    while sock.getsockopt(zmq.RCVMORE) and time.monotonic() < deadline:
+    while (more := sock.getsockopt(zmq.RCVMORE)) and time.monotonic() < deadline:
         frame = sock.recv()
         if len(frames) <= limit:
             frames.append(frame)
-    return frames if len(frames) <= limit else []
+    return frames if not more and len(frames) <= limit else []  # (the deadline cut it short: none)
 
 
 def query_status(master_addr: str, master_port: int, timeout: float = 10.0, curve: Any = None) -> dict:
