@@ -376,18 +376,21 @@ def test_relay_one_leaves_an_envelope_over_its_limit_to_python(pair):
 
 
 @needs_core
-def test_wait_readable_ends_on_a_message_or_its_time_without_the_gil(pair):
-    """Sabotage: ``Py_BEGIN_ALLOW_THREADS`` removed → the sending thread cannot run
+@pytest.mark.parametrize("wait", ["wait_readable", "wait_message"])
+def test_a_wait_for_a_message_ends_on_one_or_its_time_without_the_gil(pair, wait):
+    """The agent's wait (``wait_readable``) and the leader's (``wait_message``).
+    Sabotage: ``Py_BEGIN_ALLOW_THREADS`` removed → the sending thread cannot run
     and the wait ends False after its 5 s."""
     tx, rx = pair
-    assert core.wait_readable(rx.underlying, 0.01) is False
+    wait_for = getattr(core, wait)
+    assert wait_for(rx.underlying, 0.01) is False
     sender = threading.Timer(0.05, lambda: tx.send(b"x"))
     sender.start()
     started = time.monotonic()
-    assert core.wait_readable(rx.underlying, 5.0) is True
+    assert wait_for(rx.underlying, 5.0) is True
     assert time.monotonic() - started < 4
     sender.join(5)
-    assert core.wait_readable(rx.underlying, 0.0) is True  # still there: it only waits
+    assert wait_for(rx.underlying, 0.0) is True  # still there: it only waits
     assert rx.recv() == b"x"
 
 
@@ -499,22 +502,6 @@ def test_a_signal_handler_raising_as_messages_are_taken_loses_none_of_them():
     assert interrupts >= 20, "too few interrupts landed to test anything"
     messages = [[bytes(v) for v in views] for views, _, _ in got]
     assert messages == [[b"%d" % i, b"a", b"b"] for i in range(n)], f"{interrupts} interrupts"
-
-
-@needs_core
-def test_wait_message_ends_on_a_message_or_its_time_without_the_gil(pair):
-    """Sabotage: ``Py_BEGIN_ALLOW_THREADS`` removed -> the sending thread cannot run
-    and the wait ends False after its 5 s."""
-    tx, rx = pair
-    assert core.wait_message(rx.underlying, 0.01) is False
-    sender = threading.Timer(0.05, lambda: tx.send(b"x"))
-    sender.start()
-    started = time.monotonic()
-    assert core.wait_message(rx.underlying, 5.0) is True
-    assert time.monotonic() - started < 4
-    sender.join(5)
-    assert core.wait_message(rx.underlying, 0.0) is True  # still there: it only waits
-    assert rx.recv() == b"x"
 
 
 def _walked(walk, data: bytes, budget) -> tuple:

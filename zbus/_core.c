@@ -451,6 +451,14 @@ static int recv_part(zmsg_t *msg, void *sock) {
     return -1;
 }
 
+/* 0 where libzmq is bound, else -1 with the error set (for the functions that call it). */
+static int require_libzmq(void) {
+    if (bind_libzmq() == 1)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+    return -1;
+}
+
 PyDoc_STRVAR(relay_ready_doc,
              "relay_ready()\n--\n\n"
              "Whether relay_one can run: the libzmq that pyzmq loaded (import zmq first) was found.");
@@ -546,10 +554,8 @@ static PyObject *core_wait_readable(PyObject *self, PyObject *const *args, Py_ss
     double seconds = PyFloat_AsDouble(args[1]);
     if (PyErr_Occurred())
         return NULL;
-    if (bind_libzmq() != 1) {
-        PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+    if (require_libzmq() < 0)
         return NULL;
-    }
     int events = 0, rc = 0, interrupted = 0, signals = PyThread_get_thread_ident() == main_thread_ident;
     Py_BEGIN_ALLOW_THREADS
     double now = now_s(), end = now + seconds, check_at = now + SIGNAL_CHECK_S;
@@ -595,10 +601,8 @@ static PyObject *core_relay_one(PyObject *self, PyObject *const *args, Py_ssize_
     unsigned long long want = PyLong_AsUnsignedLongLong(args[5]);
     if (PyErr_Occurred())
         return NULL;
-    if (bind_libzmq() != 1) {
-        PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+    if (require_libzmq() < 0)
         return NULL;
-    }
     Py_buffer view;
     if (get_mapping(args[1], &view, 1) < 0)
         return NULL;
@@ -777,10 +781,8 @@ static PyObject *core_take_message(PyObject *self, PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_ValueError, "max_parts must be at least 1");
         return NULL;
     }
-    if (bind_libzmq() != 1) {
-        PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+    if (require_libzmq() < 0)
         return NULL;
-    }
     zmsg_t stack[MAX_PARTS], *parts = stack;
     Py_ssize_t n = 0, cap = MAX_PARTS;
     int more = 1, err = 0, no_memory = 0;
@@ -867,10 +869,8 @@ static PyObject *core_wait_message(PyObject *self, PyObject *const *args, Py_ssi
     double seconds = PyFloat_AsDouble(args[1]);
     if (PyErr_Occurred())
         return NULL;
-    if (bind_libzmq() != 1) {
-        PyErr_SetString(PyExc_RuntimeError, "libzmq is not loaded: import zmq first");
+    if (require_libzmq() < 0)
         return NULL;
-    }
     double end = now_s() + seconds;
     for (;;) {
         double left = end - now_s();
